@@ -1,0 +1,24 @@
+# `make demo` and `make test` do all the set-up they need on a fresh machine (scripts/setup.sh).
+PY := .venv/bin/python
+export PYTHONDONTWRITEBYTECODE := 1
+
+.PHONY: setup test lint demo bench clean
+
+setup:
+	@bash scripts/setup.sh
+
+lint: setup
+	$(PY) -m ruff check vllm_deltasync tests examples benchmarks
+	$(PY) -m mypy
+
+test: lint
+	$(PY) -m pytest -q tests
+
+demo: setup
+	$(PY) examples/demo.py
+
+bench: setup
+	$(PY) benchmarks/run.py
+
+clean:
+	rm -rf .venv .pytest_cache .mypy_cache .ruff_cache demo-out

