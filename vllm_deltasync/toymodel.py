@@ -25,13 +25,7 @@ from .errors import ConfigError
 
 Family = Literal["llama", "qwen2"]
 
-_WORDS = (
-    "the a policy gradient reward model token step update weight delta bucket server "
-    "rollout trainer value advantage learning rate batch sample prompt answer because "
-    "when then after before every each some many few more less small large fast slow "
-    "red green blue river mountain city house garden window door table chair paper "
-    "write read send receive open close start stop run walk think know see hear say"
-).split()
+_WORDS = ["the", "a", "policy", "gradient", "reward", "model", "token", "step", "update", "weight", "delta", "bucket", "server", "rollout", "trainer", "value", "advantage", "learning", "rate", "batch", "sample", "prompt", "answer", "because", "when", "then", "after", "before", "every", "each", "some", "many", "few", "more", "less", "small", "large", "fast", "slow", "red", "green", "blue", "river", "mountain", "city", "house", "garden", "window", "door", "table", "chair", "paper", "write", "read", "send", "receive", "open", "close", "start", "stop", "run", "walk", "think", "know", "see", "hear", "say"]
 
 
 def _corpus(seed: int, lines: int = 2000) -> list[str]:
