@@ -1,0 +1,446 @@
+"""Every Prometheus metric of vllm-deltasync, and how they get out of the engine.
+
+Where the numbers come from
+---------------------------
+Workers (one process per tensor-parallel rank) download, stage and apply steps; the engine
+core gathers one status dict per rank every poll interval with
+``collective_rpc("deltasync_status")``. The metrics live in the **engine core**: it turns those
+dicts into Prometheus series (one series per rank, label ``rank``) and serves them. Nothing here
+imports vLLM.
+
+Glue for the extension (all of it)
+----------------------------------
+Worker side (in each rank, e.g. in the poller's state object)::
+
+    stats = metrics.WorkerStats()
+    stats.add_download("delta", nbytes, seconds)   # per downloaded step ("anchor" or "delta")
+    stats.add_apply("delta", seconds, changed)     # per applied step; changed = elements written
+    stats.add_failure("download", exc)             # stage: discover|download|verify|decode|stage|apply
+
+    def deltasync_status(self) -> dict:            # the rpc; any missing key means "unknown"
+        return {
+            "rank": self.rank,
+            "applied_step": ..., "staged_step": ..., "newest_step": ...,   # int or None
+            "applied_published_at": ..., "newest_published_at": ...,       # manifest created_at
+            "last_discovery_at": ...,   # unix time of the last successful look at the bucket
+            "staged_bytes": ...,        # bytes currently held in host staging buffers
+            "last_error": ...,          # str ("ChainError: ...") or None once recovered
+            "counters": stats.snapshot(store.stats),
+        }
+
+Engine-core side (the coordinator)::
+
+    sync_metrics = metrics.SyncMetrics(bucket_url=cfg.url, format_version=SCHEMA_VERSION)
+    server = sync_metrics.start_server(cfg.metrics_port)  # None when the port is 0 (off)
+    every tick:     sync_metrics.update(engine_core.collective_rpc("deltasync_status"))
+    at each switch: sync_metrics.observe_switch(step, pause_s)
+    at shutdown:    server.close() if server else None
+
+Exposure
+--------
+* Own port (default ``metrics_port`` 9464): ``GET /metrics`` (Prometheus text) and
+  ``GET /synced?max_steps_behind=N`` (JSON; 200 when every rank has applied a step and is at
+  most N steps behind, else 503: the readiness probe). Works for a plain ``vllm serve``.
+* vLLM's own ``/metrics``: start the server with ``PROMETHEUS_MULTIPROC_DIR`` set to an empty
+  directory. prometheus_client then keeps these values in files that vLLM's API server
+  collects; gauges use ``livemostrecent`` so no ``pid`` label appears.
+* Tensor parallel: per-rank series carry ``rank``; engine-wide series (pause, switches) do not.
+  A replica's staleness is ``max by (instance) (deltasync_steps_behind)``.
+
+Counters in ``counters`` are cumulative since the worker started; :class:`SyncMetrics` turns
+them into increments (a new ``epoch`` means the worker restarted). Durations travel as
+numbered events so several readers of ``deltasync_status`` never lose or double-count one.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import json
+import math
+import os
+import threading
+import time
+import urllib.parse
+from collections.abc import Mapping, Sequence
+from socketserver import ThreadingMixIn
+from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
+
+from vllm_deltasync.errors import ConfigError
+
+PREFIX = "deltasync"
+STAGES = ("discover", "download", "verify", "decode", "stage", "apply")
+KINDS = ("anchor", "delta")
+_OUTCOMES = ("ok", "error", "rate_limited")
+_DOWNLOAD_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+_APPLY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+_MAX_EVENTS = 1024
+
+
+_R = ("rank",)
+#: (attribute, name without prefix, help, labels) of every gauge.
+_GAUGES: tuple[tuple[str, str, str, tuple[str, ...]], ...] = (
+    ("applied_step", "applied_step", "Step the rank's live weights are at (-1: none yet).", _R),
+    ("staged_step", "staged_step", "Newest step staged on the rank, ready to apply (-1: none).", _R),
+    ("newest_step", "newest_step", "Newest committed step the rank saw in the bucket (-1: none).", _R),
+    ("steps_behind", "steps_behind",
+     "newest_step - applied_step (newest_step + 1 before the first apply).", _R),
+    ("applied_publish_ts", "applied_publish_timestamp_seconds",
+     "When the trainer published the applied step (unix seconds).", _R),
+    ("newest_publish_ts", "newest_publish_timestamp_seconds",
+     "When the trainer published the newest seen step (unix seconds).", _R),
+    ("last_discovery_ts", "last_discovery_timestamp_seconds",
+     "Last successful look at the bucket (unix seconds).", _R),
+    ("staged_bytes", "staged_bytes", "Bytes held in host staging buffers.", _R),
+    ("failing", "failing", "1 while the rank's last attempt failed (last_error set), else 0.", _R),
+    ("last_failure_ts", "last_failure_timestamp_seconds",
+     "When the engine core first saw the rank's current error, by error class (unix seconds).",
+     ("rank", "reason")),
+    ("status_ts", "status_timestamp_seconds",
+     "Last time the engine core gathered every rank's status (unix seconds).", ()),
+    ("last_switch_ts", "last_switch_timestamp_seconds",
+     "When the engine last switched weights (unix seconds).", ()),
+    ("bucket_info", "bucket_info",
+     "The followed bucket (URL without credentials) and format version; value 1.",
+     ("url", "format_version")),
+)
+#: (attribute, name without prefix and ``_total``, help, labels) of every counter.
+_COUNTERS: tuple[tuple[str, str, str, tuple[str, ...]], ...] = (
+    ("downloaded_bytes", "downloaded_bytes", "Bytes of step data downloaded by the rank.",
+     ("rank", "kind")),
+    ("applied_steps", "applied_steps", "Steps applied by the rank.", ("rank", "kind")),
+    ("changed_elements", "changed_elements", "Parameter elements written by the rank.", _R),
+    ("failures", "failures", "Failed attempts by stage and error class.",
+     ("rank", "stage", "reason")),
+    ("store_requests", "store_requests",
+     "Bucket requests by operation and outcome (rate_limited: HTTP 429).",
+     ("rank", "operation", "outcome")),
+    ("switches", "switches", "Weight switches performed by the engine.", ()),
+)
+#: (attribute, name without prefix, help, labels, buckets) of every histogram.
+_HISTOGRAMS: tuple[tuple[str, str, str, tuple[str, ...], tuple[float, ...]], ...] = (
+    ("download_duration", "download_duration_seconds",
+     "Time to download and verify one step's files on the rank.", _R, _DOWNLOAD_BUCKETS),
+    ("apply_duration", "apply_duration_seconds",
+     "Time one rank spent writing one step into its weights.", _R, _APPLY_BUCKETS),
+    ("pause_duration", "pause_duration_seconds",
+     "Engine pause for one switch (every rank applies, prefix cache reset).", (), _APPLY_BUCKETS),
+)
+
+
+def redact_url(url: str) -> str:
+    """``url`` without user, password, query or fragment (safe for a label or a log line)."""
+    parts = urllib.parse.urlsplit(url)
+    host = parts.hostname or ""
+    if parts.port is not None:
+        host = f"{host}:{parts.port}"
+    return urllib.parse.urlunsplit((parts.scheme, host, parts.path, "", ""))
+
+
+def error_reason(error: BaseException | str | None) -> str:
+    """A bounded label value for an error: its class name (``"ChainError"``)."""
+    if error is None:
+        return ""
+    if isinstance(error, BaseException):
+        return type(error).__name__
+    head = str(error).split(":", 1)[0].strip()
+    return head if head.isidentifier() else "Error"
+
+
+class WorkerStats:
+    """Cumulative counters one rank keeps; :meth:`snapshot` goes into its status dict.
+
+    Thread-safe: the poller thread records, the worker's main thread snapshots.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._epoch = os.urandom(8).hex()
+        self._seq = itertools.count(1)
+        self._bytes = dict.fromkeys(KINDS, 0)
+        self._applied = dict.fromkeys(KINDS, 0)
+        self._changed = 0
+        self._failures: dict[tuple[str, str], int] = {}
+        self._events: collections.deque[tuple[int, str, float]] = collections.deque(
+            maxlen=_MAX_EVENTS
+        )
+
+    def add_download(self, kind: str, nbytes: int, seconds: float) -> None:
+        """One step's files downloaded for this rank (``kind`` is ``anchor`` or ``delta``)."""
+        _check_kind(kind)
+        with self._lock:
+            self._bytes[kind] += int(nbytes)
+            self._events.append((next(self._seq), "download", float(seconds)))
+
+    def add_apply(self, kind: str, seconds: float, changed_elements: int) -> None:
+        """One step applied on this rank: time spent writing, elements written."""
+        _check_kind(kind)
+        with self._lock:
+            self._applied[kind] += 1
+            self._changed += int(changed_elements)
+            self._events.append((next(self._seq), "apply", float(seconds)))
+
+    def add_failure(self, stage: str, error: BaseException | str) -> None:
+        """A failed attempt at ``stage`` (one of :data:`STAGES`); the reason is the error class."""
+        if stage not in STAGES:
+            raise ConfigError(f"failure stage {stage!r} is not one of {', '.join(STAGES)}")
+        key = (stage, error_reason(error))
+        with self._lock:
+            self._failures[key] = self._failures.get(key, 0) + 1
+
+    def snapshot(self, store_stats: Any = None) -> dict[str, Any]:
+        """Plain lists and dicts only (safe for any rpc serializer)."""
+        with self._lock:
+            snap: dict[str, Any] = {
+                "epoch": self._epoch,
+                "downloaded_bytes": dict(self._bytes),
+                "applied_steps": dict(self._applied),
+                "changed_elements": self._changed,
+                "failures": [[s, r, n] for (s, r), n in sorted(self._failures.items())],
+                "events": [list(e) for e in self._events],
+            }
+        requests = getattr(store_stats, "requests", None) or {}
+        snap["store_requests"] = [[op, out, n] for (op, out), n in sorted(requests.items())]
+        return snap
+
+
+def _check_kind(kind: str) -> None:
+    if kind not in KINDS:
+        raise ConfigError(f"step kind {kind!r} is not one of {', '.join(KINDS)}")
+
+
+class _RankCursor:
+    """What the engine core has already counted from one rank."""
+
+    def __init__(self, epoch: str) -> None:
+        self.epoch = epoch
+        self.last_event = 0
+        self.seen: dict[tuple[str, ...], float] = {}
+
+    def advance(self, key: tuple[str, ...], total: float) -> float:
+        """Increment since the last snapshot (the whole total after a restart)."""
+        previous = self.seen.get(key, 0.0)
+        self.seen[key] = total
+        return total - previous if total >= previous else total
+
+
+class SyncMetrics:
+    """The metric objects, fed from per-rank status dicts in the engine core."""
+
+    applied_step: Gauge
+    staged_step: Gauge
+    newest_step: Gauge
+    steps_behind: Gauge
+    applied_publish_ts: Gauge
+    newest_publish_ts: Gauge
+    last_discovery_ts: Gauge
+    staged_bytes: Gauge
+    failing: Gauge
+    last_failure_ts: Gauge
+    status_ts: Gauge
+    last_switch_ts: Gauge
+    bucket_info: Gauge
+    downloaded_bytes: Counter
+    applied_steps: Counter
+    changed_elements: Counter
+    failures: Counter
+    store_requests: Counter
+    switches: Counter
+    download_duration: Histogram
+    apply_duration: Histogram
+    pause_duration: Histogram
+
+    def __init__(
+        self,
+        *,
+        bucket_url: str = "",
+        format_version: int | str = "",
+        registry: CollectorRegistry | None = None,
+    ) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self._lock = threading.Lock()
+        self._cursors: dict[str, _RankCursor] = {}
+        self._errors: dict[str, str] = {}
+        self.latest: list[Mapping[str, Any]] = []
+        self._build(self.registry)
+        if bucket_url:
+            self.bucket_info.labels(redact_url(bucket_url), str(format_version)).set(1)
+
+    def _build(self, r: CollectorRegistry) -> None:
+        for attr, name, doc, labels in _GAUGES:
+            metric = Gauge(f"{PREFIX}_{name}", doc, labels, registry=r,
+                           multiprocess_mode="livemostrecent")
+            setattr(self, attr, metric)
+        for attr, name, doc, labels in _COUNTERS:
+            setattr(self, attr, Counter(f"{PREFIX}_{name}", doc, labels, registry=r))
+        for attr, name, doc, labels, buckets in _HISTOGRAMS:
+            setattr(self, attr, Histogram(f"{PREFIX}_{name}", doc, labels, registry=r,
+                                          buckets=buckets))
+
+    def update(self, statuses: Sequence[Mapping[str, Any]], *, now: float | None = None) -> None:
+        """Take one status dict per rank (``collective_rpc`` order; ``"rank"`` wins if present)."""
+        now = time.time() if now is None else now
+        with self._lock:
+            for index, status in enumerate(statuses):
+                if not isinstance(status, Mapping):
+                    raise ConfigError(
+                        f"deltasync_status of rank {index} returned {type(status).__name__}, "
+                        "expected a dict: see the glue section of vllm_deltasync/metrics.py"
+                    )
+                rank = str(status.get("rank", index))
+                self._update_gauges(rank, status, now)
+                counters = status.get("counters")
+                if isinstance(counters, Mapping):
+                    self._update_counters(rank, counters)
+            self.latest = [dict(s) for s in statuses]
+            self.status_ts.set(now)
+
+    def observe_switch(self, step: int, pause_s: float, *, now: float | None = None) -> None:
+        """The engine switched every rank to ``step``, pausing generation ``pause_s`` seconds."""
+        del step  # the step is a gauge per rank (applied_step), never a label
+        self.switches.inc()
+        self.pause_duration.observe(pause_s)
+        self.last_switch_ts.set(time.time() if now is None else now)
+
+    def _update_gauges(self, rank: str, s: Mapping[str, Any], now: float) -> None:
+        applied, newest = _int_or_none(s.get("applied_step")), _int_or_none(s.get("newest_step"))
+        staged = _int_or_none(s.get("staged_step"))
+        self.applied_step.labels(rank).set(-1 if applied is None else applied)
+        self.staged_step.labels(rank).set(-1 if staged is None else staged)
+        self.newest_step.labels(rank).set(-1 if newest is None else newest)
+        behind = 0 if newest is None else newest - (-1 if applied is None else applied)
+        self.steps_behind.labels(rank).set(max(behind, 0))
+        for key, gauge in (
+            ("applied_published_at", self.applied_publish_ts),
+            ("newest_published_at", self.newest_publish_ts),
+            ("last_discovery_at", self.last_discovery_ts),
+            ("staged_bytes", self.staged_bytes),
+        ):
+            value = _float_or_none(s.get(key))
+            if value is not None:
+                gauge.labels(rank).set(value)
+        error = str(s.get("last_error") or "")
+        self.failing.labels(rank).set(1 if error else 0)
+        if error and self._errors.get(rank) != error:
+            self.last_failure_ts.labels(rank, error_reason(error)).set(now)
+        self._errors[rank] = error
+
+    def _update_counters(self, rank: str, c: Mapping[str, Any]) -> None:
+        epoch = str(c.get("epoch", ""))
+        cursor = self._cursors.get(rank)
+        if cursor is None or cursor.epoch != epoch:
+            cursor = self._cursors[rank] = _RankCursor(epoch)
+        for kind, total in dict(c.get("downloaded_bytes") or {}).items():
+            _inc(self.downloaded_bytes.labels(rank, kind), cursor.advance(("b", kind), total))
+        for kind, total in dict(c.get("applied_steps") or {}).items():
+            _inc(self.applied_steps.labels(rank, kind), cursor.advance(("a", kind), total))
+        changed = c.get("changed_elements")
+        if changed is not None:
+            _inc(self.changed_elements.labels(rank), cursor.advance(("c",), changed))
+        for stage, reason, total in c.get("failures") or ():
+            _inc(self.failures.labels(rank, stage, reason), cursor.advance(("f", stage, reason), total))
+        for op, outcome, total in c.get("store_requests") or ():
+            for known in _OUTCOMES:  # zero series, so rate(...{outcome="rate_limited"}) has data
+                self.store_requests.labels(rank, op, known)
+            key = ("r", op, outcome)
+            _inc(self.store_requests.labels(rank, op, outcome), cursor.advance(key, total))
+        for seq, kind, seconds in c.get("events") or ():
+            if seq <= cursor.last_event:
+                continue
+            cursor.last_event = seq
+            hist = self.download_duration if kind == "download" else self.apply_duration
+            hist.labels(rank).observe(seconds)
+
+    def synced(self, max_steps_behind: int = 0) -> tuple[bool, dict[str, Any]]:
+        """Readiness: every rank has applied a step and is at most ``max_steps_behind`` behind."""
+        with self._lock:
+            ranks = list(self.latest)
+        rows = []
+        for index, s in enumerate(ranks):
+            applied, newest = _int_or_none(s.get("applied_step")), _int_or_none(s.get("newest_step"))
+            behind = 0 if newest is None else newest - (-1 if applied is None else applied)
+            rows.append({"rank": s.get("rank", index), "applied_step": applied,
+                         "newest_step": newest, "steps_behind": max(behind, 0),
+                         "last_error": s.get("last_error")})
+        ok = bool(rows) and all(
+            r["applied_step"] is not None and r["steps_behind"] <= max_steps_behind for r in rows
+        )
+        return ok, {"synced": ok, "max_steps_behind": max_steps_behind, "ranks": rows}
+
+    def start_server(self, port: int, addr: str = "0.0.0.0") -> MetricsServer | None:
+        """Serve ``/metrics`` and ``/synced`` on ``port``; ``0`` means off and returns None."""
+        return None if port == 0 else MetricsServer(self, port=port, addr=addr)
+
+
+def _inc(child: Any, amount: float) -> None:
+    if amount > 0:
+        child.inc(amount)
+
+
+def _int_or_none(value: Any) -> int | None:
+    return None if value is None else int(value)
+
+
+def _float_or_none(value: Any) -> float | None:
+    if value is None:
+        return None
+    value = float(value)
+    return None if math.isnan(value) else value
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - stdlib signature
+        """No access log: a scrape every few seconds would flood the server's log."""
+
+
+class _ThreadingServer(ThreadingMixIn, WSGIServer):
+    daemon_threads = True
+
+
+class MetricsServer:
+    """``GET /metrics`` (Prometheus text) and ``GET /synced`` (readiness JSON) on a daemon thread.
+
+    ``port=0`` binds a free port (see :attr:`port`); callers map the config's 0 = off themselves
+    (:meth:`SyncMetrics.start_server` does).
+    """
+
+    def __init__(self, metrics: SyncMetrics, *, port: int, addr: str = "0.0.0.0") -> None:
+        if not 0 <= port < 65536:
+            raise ConfigError(f"metrics port {port} is out of range: use 1-65535, or 0 for off")
+        self.metrics = metrics
+        self._prom = make_wsgi_app(metrics.registry)
+        try:
+            self._server = make_server(addr, port, self._app, _ThreadingServer, _QuietHandler)
+        except OSError as exc:
+            raise ConfigError(
+                f"cannot serve metrics on {addr}:{port} ({exc}): choose another metrics_port"
+            ) from exc
+        self.port: int = self._server.server_port
+        self._thread = threading.Thread(
+            target=self._server.serve_forever, name="deltasync-metrics", daemon=True
+        )
+        self._thread.start()
+
+    def _app(self, environ: dict[str, Any], start_response: Any) -> Any:
+        path = environ.get("PATH_INFO", "/")
+        if path != "/synced":
+            return self._prom(environ, start_response)
+        query = urllib.parse.parse_qs(environ.get("QUERY_STRING", ""))
+        try:
+            limit = int(query.get("max_steps_behind", ["0"])[0])
+        except ValueError:
+            start_response("400 Bad Request", [("Content-Type", "text/plain")])
+            return [b"max_steps_behind must be an integer\n"]
+        ok, body = self.metrics.synced(limit)
+        status = "200 OK" if ok else "503 Service Unavailable"
+        start_response(status, [("Content-Type", "application/json")])
+        return [json.dumps(body).encode()]
+
+    def close(self) -> None:
+        """Stop serving and release the port."""
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join(timeout=5)
