@@ -1,0 +1,453 @@
+"""Hugging Face Storage Buckets: ``hf://buckets/<namespace>/<name>/<prefix>``.
+
+Reads speak the bucket HTTP API with aiohttp (the session is injectable):
+
+* ``list``: ``GET /api/buckets/{id}/tree/{dir}?recursive=true``, following ``Link: rel="next"``.
+* ``stat``: ``HEAD /buckets/{id}/resolve/{path}`` (counts against the larger *resolve* quota,
+  not the API quota); size from ``X-Linked-Size`` / ``Content-Length``, identity ``X-Xet-Hash``.
+* ``read``: ``GET /buckets/{id}/resolve/{path}``; the redirect is followed by hand so the token
+  is only ever sent to the endpoint's own origin, never to the CDN host. Large objects are
+  read as parallel ranges from the signed CDN URL (one resolve per read), a part cut by a
+  dropped connection resumes from the last byte received.
+* ``changes``: the bucket's server-sent events feed (used by :mod:`vllm_deltasync.discovery`).
+
+Writes go through ``huggingface_hub.batch_bucket_files`` (uploads need ``hf_xet``). The Xet
+upload protocol cannot run offline, so the upload call is the one seam: pass ``uploader=`` (an
+async callable taking ``[(bucket_path, bytes), ...]``) to replace it. Deletes use the same batch
+API (no Xet needed). Buckets are mutable, so ``write`` refuses to overwrite by checking first
+(HEAD or one paths-info call for a batch); the check and the upload are not atomic, which the
+format tolerates because every name it writes is new (random token per publish attempt).
+
+Errors: status and ``X-Error-Code`` map to :mod:`vllm_deltasync.errors`; a 429 becomes
+:class:`RateLimitedError` with the wait from ``RateLimit: "api";r=..;t=..`` / ``Retry-After``,
+and no request of the same quota (``api`` or ``resolve``) leaves before that reset.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import builtins
+import json
+import os
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import quote, urljoin, urlsplit
+
+import aiohttp
+from yarl import URL
+
+from ..errors import ConfigError, NotFoundError, StoreError, TransientStoreError
+from ._hfhttp import connection_error, error_for_response, hub_error
+from ._parts import RangedReader, parse_content_range, range_header
+from ._retry import RateGate, RetryPolicy, retry
+from .base import ObjectInfo, Store
+
+Uploader = Callable[[list[tuple[str, bytes]]], Awaitable[None]]
+"""Uploads ``[(path in bucket, bytes), ...]``; the seam that replaces the Xet upload in tests."""
+
+DEFAULT_ENDPOINT = "https://huggingface.co"
+_REDIRECTS = (301, 302, 303, 307, 308)
+
+
+@dataclass(frozen=True)
+class ChangeEvent:
+    """One event of the bucket feed: ``changes`` (paths added/updated/deleted), ``reset``
+    (state unknown: list again), ``ready`` (connected)."""
+
+    kind: str
+    paths: tuple[str, ...] = ()
+    cursor: str | None = None
+
+
+def parse_hf_url(url: str) -> tuple[str, str]:
+    """``hf://buckets/ns/name/a/b`` -> ``("ns/name", "a/b")``."""
+    rest = url.split("://", 1)[1] if "://" in url else url
+    parts = [p for p in rest.split("/") if p]
+    if len(parts) < 3 or parts[0] != "buckets":
+        raise ConfigError(
+            f"bucket URL {url!r}: expected hf://buckets/<namespace>/<name>[/<prefix>]"
+        )
+    return f"{parts[1]}/{parts[2]}", "/".join(parts[3:])
+
+
+def resolve_token(explicit: str | bool | None, environ: Mapping[str, str]) -> str | None:
+    """``token=`` option, else ``HF_TOKEN``, else huggingface_hub's own chain; ``False``: none."""
+    if explicit is False:
+        return None
+    if isinstance(explicit, str):
+        return explicit
+    if environ.get("HF_TOKEN"):
+        return environ["HF_TOKEN"]
+    try:
+        from huggingface_hub import get_token
+    except ImportError:  # pragma: no cover - huggingface_hub is a dependency
+        return None
+    return get_token()
+
+
+class HfStore(Store):
+    """A prefix inside one Hugging Face Storage Bucket."""
+
+    scheme = "hf"
+
+    def __init__(
+        self,
+        bucket_id: str,
+        prefix: str = "",
+        *,
+        endpoint: str | None = None,
+        token: str | bool | None = None,
+        session: aiohttp.ClientSession | None = None,
+        uploader: Uploader | None = None,
+        retry_policy: RetryPolicy | None = None,
+        part_size: int = 16 << 20,
+        max_parallel_parts: int = 8,
+        request_timeout_s: float = 60.0,
+        environ: Mapping[str, str] | None = None,
+    ) -> None:
+        super().__init__()
+        env = os.environ if environ is None else environ
+        if part_size < 1 << 16 or max_parallel_parts < 1:
+            raise ConfigError(
+                f"hf store {bucket_id!r}: part_size={part_size} max_parallel_parts="
+                f"{max_parallel_parts}; use part_size >= 65536 and max_parallel_parts >= 1"
+            )
+        self.bucket_id = bucket_id
+        self.prefix = prefix.strip("/")
+        self.endpoint = (endpoint or env.get("HF_ENDPOINT") or DEFAULT_ENDPOINT).rstrip("/")
+        self.__token = resolve_token(token, env)
+        self._session = session
+        self._owns_session = session is None
+        self._uploader = uploader
+        self.retry_policy = retry_policy or RetryPolicy()
+        self.part_size = part_size
+        self.max_parallel_parts = max_parallel_parts
+        self._timeout = aiohttp.ClientTimeout(
+            total=None, sock_connect=30, sock_read=request_timeout_s
+        )
+        self.gates = {"api": RateGate("api"), "resolve": RateGate("resolve")}
+        self.resumed_bytes = 0
+
+    @classmethod
+    def from_url(cls, url: str, **options: Any) -> HfStore:
+        bucket_id, prefix = parse_hf_url(url)
+        return cls(bucket_id, prefix, **options)
+
+    @property
+    def url(self) -> str:
+        tail = f"/{self.prefix}" if self.prefix else ""
+        return f"hf://buckets/{self.bucket_id}{tail}"
+
+    # -- plumbing ----------------------------------------------------------------------------
+
+    def _full(self, path: str) -> str:
+        path = path.lstrip("/")
+        return f"{self.prefix}/{path}" if self.prefix else path
+
+    def _rel(self, full: str) -> str:
+        return full[len(self.prefix) + 1 :] if self.prefix else full
+
+    def _auth(self, url: str) -> dict[str, str]:
+        """The token goes to the endpoint's own origin only."""
+        same = urlsplit(url)[:2] == urlsplit(self.endpoint)[:2]
+        return {"Authorization": f"Bearer {self.__token}"} if same and self.__token else {}
+
+    def _http(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            self._session = aiohttp.ClientSession(timeout=self._timeout)
+            self._owns_session = True
+        return self._session
+
+    def _count_retry(self, op: str) -> Callable[[TransientStoreError], None]:
+        def count(exc: TransientStoreError) -> None:
+            self.stats.count(
+                op, "rate_limited" if exc.__class__.__name__ == "RateLimitedError" else "error"
+            )
+
+        return count
+
+    async def _call(
+        self,
+        op: str,
+        kind: str,
+        method: str,
+        url: str,
+        *,
+        what: str,
+        ok404: bool = False,
+        **kw: Any,
+    ) -> tuple[int, Mapping[str, str], bytes, dict[str, Any]]:
+        """One request with retries: (status, headers, body, links). 404 is returned if ok404."""
+
+        async def once() -> tuple[int, Mapping[str, str], bytes, dict[str, Any]]:
+            try:
+                async with self._http().request(
+                    method,
+                    URL(url, encoded=True),
+                    headers=self._auth(url),
+                    allow_redirects=False,
+                    **kw,
+                ) as resp:
+                    body = await resp.read()
+                    if resp.status == 404 and ok404:
+                        return 404, resp.headers, body, {}
+                    if resp.status >= 400:
+                        raise error_for_response(resp.status, resp.headers, what)
+                    return resp.status, resp.headers, body, dict(resp.links)
+            except aiohttp.ClientError as exc:
+                raise connection_error(exc, what) from exc
+            except asyncio.TimeoutError as exc:
+                raise TransientStoreError(f"{what}: timed out") from exc
+
+        try:
+            result = await retry(
+                once,
+                what=what,
+                policy=self.retry_policy,
+                gate=self.gates[kind],
+                on_retry=self._count_retry(op),
+            )
+        except NotFoundError:
+            self.stats.count(op, "not_found")
+            raise
+        except StoreError:
+            self.stats.count(op, "error")
+            raise
+        self.stats.count(op, "not_found" if result[0] == 404 else "ok")
+        return result
+
+    def _api(self, tail: str) -> str:
+        return f"{self.endpoint}/api/buckets/{self.bucket_id}{tail}"
+
+    def _resolve_url(self, path: str) -> str:
+        return f"{self.endpoint}/buckets/{self.bucket_id}/resolve/{quote(self._full(path))}"
+
+    # -- reads -------------------------------------------------------------------------------
+
+    async def list(self, prefix: str = "") -> builtins.list[ObjectInfo]:
+        full = self._full(prefix) if (prefix or self.prefix) else ""
+        directory = full.rsplit("/", 1)[0] if "/" in full else ""
+        tail = "/tree" + (f"/{quote(directory, safe='')}" if directory else "")
+        url: str | None = self._api(tail) + "?recursive=true"
+        found: builtins.list[ObjectInfo] = []
+        while url:
+            status, _, body, links = await self._call(
+                "list", "api", "GET", url, what=f"{self.url}: list", ok404=True
+            )
+            if status == 404:
+                return []
+            for item in json.loads(body):
+                path = item.get("path", "")
+                if (
+                    item.get("type") == "file"
+                    and path.startswith(full)
+                    and (not self.prefix or path.startswith(self.prefix + "/"))
+                ):
+                    found.append(
+                        ObjectInfo(self._rel(path), int(item["size"]), item.get("xetHash"))
+                    )
+            nxt = links.get("next")
+            url = urljoin(url, str(nxt["url"])) if nxt else None
+        return sorted(found, key=lambda o: o.path)
+
+    async def paths_info(self, paths: Sequence[str]) -> builtins.list[ObjectInfo]:
+        """The existing objects among ``paths`` in one API call (missing ones are left out)."""
+        if not paths:
+            return []
+        payload = {"paths": [self._full(p) for p in paths]}
+        _, _, body, _ = await self._call(
+            "paths_info",
+            "api",
+            "POST",
+            self._api("/paths-info"),
+            what=f"{self.url}: paths-info",
+            json=payload,
+        )
+        return [
+            ObjectInfo(self._rel(i["path"]), int(i["size"]), i.get("xetHash"))
+            for i in json.loads(body)
+            if i.get("type", "file") == "file"
+        ]
+
+    async def stat(self, path: str) -> ObjectInfo | None:
+        status, headers, _, _ = await self._call(
+            "stat",
+            "resolve",
+            "HEAD",
+            self._resolve_url(path),
+            what=f"{self.url}/{path}",
+            ok404=True,
+        )
+        if status == 404:
+            return None
+        size = headers.get("X-Linked-Size") or headers.get("Content-Length") or "0"
+        return ObjectInfo(path, int(size), headers.get("X-Xet-Hash"))
+
+    async def read(self, path: str, start: int = 0, end: int | None = None) -> bytes:
+        what = f"{self.url}/{path}"
+        cdn = await self._locate(path, what)
+        reader = RangedReader(
+            fetch=lambda a, b, buf: self._fetch(cdn, a, b, buf, what),
+            what=what,
+            policy=self.retry_policy,
+            part_size=self.part_size,
+            max_parallel_parts=self.max_parallel_parts,
+            on_retry=self._count_retry("read"),
+            on_resume=self._count_resume,
+        )
+        data = await reader.read(start, end)
+        self.stats.bytes_read += len(data)
+        return data
+
+    def _count_resume(self, kept: int) -> None:
+        self.resumed_bytes += kept
+        self.stats.count("read", "resumed")
+
+    async def _locate(self, path: str, what: str) -> str:
+        """The CDN URL the resolve call redirects to (or the resolve URL if served directly)."""
+        url = self._resolve_url(path)
+        status, headers, _, _ = await self._call(
+            "resolve", "resolve", "HEAD", url, what=what, ok404=True
+        )
+        if status == 404:
+            raise NotFoundError(f"{what}: no such object in the bucket")
+        if status in _REDIRECTS and headers.get("Location"):
+            return urljoin(url, headers["Location"])
+        return url
+
+    async def _fetch(
+        self, url: str, start: int, end: int | None, buf: bytearray, what: str
+    ) -> int | None:
+        headers = {**self._auth(url), "Range": range_header(start, end)}
+        try:
+            async with self._http().get(
+                URL(url, encoded=True), headers=headers, allow_redirects=False
+            ) as resp:
+                if resp.status == 416:
+                    return 0
+                if resp.status in _REDIRECTS and resp.headers.get("Location"):
+                    return await self._fetch(
+                        urljoin(url, resp.headers["Location"]), start, end, buf, what
+                    )
+                if resp.status >= 400:
+                    raise error_for_response(resp.status, resp.headers, what)
+                if resp.status == 200 and start > 0:
+                    raise StoreError(
+                        f"{what}: the server ignored the Range header; cannot read parts"
+                    )
+                async for chunk in resp.content.iter_chunked(1 << 18):
+                    buf.extend(chunk)
+                total = parse_content_range(resp.headers.get("Content-Range"))
+                return total if resp.status == 206 else None
+        except aiohttp.ClientError as exc:
+            raise connection_error(exc, what) from exc
+        except asyncio.TimeoutError as exc:
+            raise TransientStoreError(f"{what}: read timed out after {len(buf)} bytes") from exc
+
+    # -- events feed -------------------------------------------------------------------------
+
+    async def changes(self, cursor: str | None = None) -> AsyncIterator[ChangeEvent]:
+        """Events of the bucket feed under this prefix until the server ends the stream.
+
+        Raises a :class:`StoreError` subclass when the feed is unavailable (401/403/404/501).
+        """
+        url = self._api("/events") + (f"?cursor={quote(cursor)}" if cursor else "")
+        await self.gates["api"].wait()
+        headers = {**self._auth(url), "Accept": "text/event-stream"}
+        timeout = aiohttp.ClientTimeout(total=None, sock_read=None)
+        try:
+            async with self._http().get(
+                URL(url, encoded=True), headers=headers, timeout=timeout
+            ) as resp:
+                self.stats.count("events", "ok" if resp.status < 400 else "error")
+                if resp.status >= 400:
+                    raise error_for_response(resp.status, resp.headers, f"{self.url}: events feed")
+                async for event in self._parse_sse(resp.content):
+                    yield event
+        except aiohttp.ClientError as exc:
+            raise connection_error(exc, f"{self.url}: events feed") from exc
+
+    async def _parse_sse(self, stream: aiohttp.StreamReader) -> AsyncIterator[ChangeEvent]:
+        kind, data, event_id = "message", [], None
+        async for raw in stream:
+            line = raw.decode("utf-8").rstrip("\r\n")
+            if line:
+                field, _, value = line.partition(":")
+                value = value[1:] if value.startswith(" ") else value
+                if field == "event":
+                    kind = value
+                elif field == "data":
+                    data.append(value)
+                elif field == "id":
+                    event_id = value
+                continue
+            yield self._event(kind, "\n".join(data), event_id)
+            kind, data = "message", []
+
+    def _event(self, kind: str, data: str, cursor: str | None) -> ChangeEvent:
+        if kind != "changes":
+            return ChangeEvent(kind, (), cursor)
+        decoded = json.loads(data) if data else []
+        items = decoded.get("changes", [decoded]) if isinstance(decoded, dict) else decoded
+        root = f"{self.prefix}/" if self.prefix else ""
+        paths = tuple(
+            self._rel(i["path"])
+            for i in items
+            if i.get("op") != "delete" and i["path"].startswith(root)
+        )
+        return ChangeEvent(kind, paths, cursor)
+
+    # -- writes ------------------------------------------------------------------------------
+
+    async def write(self, path: str, data: bytes | memoryview, *, overwrite: bool = False) -> None:
+        if not overwrite and await self.stat(path) is not None:
+            raise hub_error(409, f"{self.url}/{path}: already exists; bucket names are immutable")
+        await self._upload([(self._full(path), bytes(data))])
+
+    async def write_many(self, items: Sequence[tuple[str, bytes | memoryview]]) -> None:
+        if not items:
+            return
+        existing = await self.paths_info([p for p, _ in items])
+        if existing:
+            names = ", ".join(o.path for o in existing[:3])
+            raise hub_error(409, f"{self.url}: {names} already exist; bucket names are immutable")
+        await self._upload([(self._full(p), bytes(d)) for p, d in items])
+
+    async def _upload(self, items: builtins.list[tuple[str, bytes]]) -> None:
+        try:
+            if self._uploader is not None:
+                await self._uploader(items)
+            else:
+                await asyncio.to_thread(self._hub_batch, add=items)
+        except StoreError:
+            self.stats.count("write", "error")
+            raise
+        self.stats.count("write", "ok", len(items))
+        self.stats.bytes_written += sum(len(d) for _, d in items)
+
+    async def delete(self, paths: Sequence[str]) -> None:
+        if paths:
+            await asyncio.to_thread(self._hub_batch, delete=[self._full(p) for p in paths])
+            self.stats.count("delete", "ok", len(paths))
+
+    def _hub_batch(self, **ops: Any) -> None:
+        """``huggingface_hub.HfApi.batch_bucket_files`` against this endpoint (in a thread)."""
+        from huggingface_hub import HfApi
+
+        api = HfApi(endpoint=self.endpoint, token=self.__token or False)
+        try:
+            api.batch_bucket_files(self.bucket_id, **ops)
+        except Exception as exc:  # huggingface_hub / httpx errors, translated here
+            raise hub_error(
+                getattr(getattr(exc, "response", None), "status_code", 0),
+                f"{self.url}: batch failed ({type(exc).__name__})",
+            ) from exc
+
+    async def close(self) -> None:
+        if self._owns_session and self._session is not None and not self._session.closed:
+            await self._session.close()
+        self._session = None
+
+
+__all__ = ["ChangeEvent", "HfStore", "Uploader", "parse_hf_url", "resolve_token"]
