@@ -1,5 +1,73 @@
-"""vllm-deltasync: sparse bf16 weight deltas through an object-store bucket into vLLM."""
+"""vllm-deltasync: sparse bf16 weight deltas through an object-store bucket into vLLM.
+
+Trainer side::
+
+    from vllm_deltasync import DeltaPublisher
+
+    with DeltaPublisher("file:///data/policy-bucket", anchor_every=10) as pub:
+        for step in range(num_steps):
+            train_step()
+            pub.publish(step, model.named_parameters())
+
+Importing this package never imports vLLM; ``vllm_deltasync.DeltaSyncExtension`` (the worker
+extension vLLM loads by name) is resolved lazily from :mod:`vllm_deltasync.extension`.
+"""
 
 from __future__ import annotations
 
+from typing import Any
+
+from .errors import (
+    AlreadyExistsError,
+    ApplyError,
+    AuthError,
+    ChainError,
+    ConfigError,
+    DeltaSyncError,
+    FingerprintError,
+    FormatError,
+    IntegrityError,
+    NotFoundError,
+    PublishError,
+    RateLimitedError,
+    StoreError,
+    TransientStoreError,
+)
+from .manifest import Manifest
+from .publisher import DeltaPublisher
+from .reader import BucketReader
+from .stores import open_store
+
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    if name == "DeltaSyncExtension":
+        from .extension import DeltaSyncExtension
+
+        return DeltaSyncExtension
+    raise AttributeError(f"module 'vllm_deltasync' has no attribute {name!r}")
+
+
+__all__ = [
+    "AlreadyExistsError",
+    "ApplyError",
+    "AuthError",
+    "BucketReader",
+    "ChainError",
+    "ConfigError",
+    "DeltaPublisher",
+    "DeltaSyncError",
+    "DeltaSyncExtension",
+    "FingerprintError",
+    "FormatError",
+    "IntegrityError",
+    "Manifest",
+    "NotFoundError",
+    "PublishError",
+    "RateLimitedError",
+    "StoreError",
+    "TransientStoreError",
+    "__version__",
+    "open_store",
+]

@@ -1,0 +1,240 @@
+"""Tensor payload encodings, registered by the name a manifest records.
+
+A codec turns one chunk of one tensor into a few flat 1-D tensors (one per *role*, stored
+under safetensors keys the manifest lists) plus a small JSON ``meta``, and back:
+
+* ``dense``: anchors. Role ``values``: bf16 values of the flat element range ``[start, stop)``.
+* ``sparse-v1``: deltas, the TRL layout. Roles ``indices`` (int32 flat indices into the
+  tensor, strictly increasing) and ``values`` (bf16 new absolute values).
+
+Further codecs register themselves with :func:`register_codec`; ``get_codec`` imports
+``vllm_deltasync.codec_v2`` on first sight of an unknown name, the way ``open_store`` imports
+store backends. Decoding yields :class:`TensorPatch` objects that ``apply.py`` writes into
+live parameters.
+"""
+
+from __future__ import annotations
+
+import abc
+import importlib
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .errors import FormatError
+from .manifest import Chunk, TensorEntry
+
+_LAZY_MODULES = ("vllm_deltasync.codec_v2",)
+
+
+@dataclass
+class TensorPatch:
+    """Changed elements of one checkpoint tensor (or one dense run of it)."""
+
+    name: str
+    """Checkpoint name."""
+    shape: tuple[int, ...]
+    """Full checkpoint shape."""
+    indices: torch.Tensor | None
+    """int64 flat checkpoint indices, strictly increasing; None = dense run from ``offset``."""
+    values: torch.Tensor
+    """bf16 absolute values, or int16 bit-pattern differences when ``relative``."""
+    offset: int = 0
+    """Dense run: ``values`` cover flat ``[offset, offset + len(values))``."""
+    relative: bool = False
+    """True: ``values`` are int16 ``(new_bits - old_bits) mod 2**16``; needs the exact base."""
+
+    def apply_to(self, flat: torch.Tensor) -> None:
+        """Write this patch into ``flat`` (a 1-D bf16 tensor of the full tensor) in place."""
+        if self.indices is None:
+            target = flat[self.offset : self.offset + self.values.numel()]
+            if self.relative:
+                bits = target.view(torch.int16)
+                bits.copy_(bits + self.values.to(torch.int16))
+            else:
+                target.copy_(self.values)
+        elif self.relative:
+            bits = flat.view(torch.int16)
+            bits[self.indices] = bits[self.indices] + self.values.to(torch.int16)
+        else:
+            flat[self.indices] = self.values
+
+
+class Codec(abc.ABC):
+    """One encoding of chunk payloads."""
+
+    name: str = ""
+    dense: bool = False
+    """True: a chunk covers the flat element range ``[start, stop)``; no indices."""
+    relative: bool = False
+    """True: decoded values are int16 bit-pattern differences against the base step."""
+    max_bytes_per_element: int = 8
+    """Upper bound on encoded bytes per element; the publisher sizes chunks with it."""
+
+    @abc.abstractmethod
+    def encode(
+        self,
+        indices: torch.Tensor | None,
+        new_values: torch.Tensor,
+        old_values: torch.Tensor | None,
+    ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """``(role -> flat tensor, meta)`` for one chunk.
+
+        ``indices``: int64 sorted flat indices (None for dense codecs); ``new_values``: bf16;
+        ``old_values``: the base's bf16 values at the same indices, or None (anchors).
+        """
+
+    @abc.abstractmethod
+    def decode(
+        self, tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any], count: int
+    ) -> tuple[torch.Tensor | None, torch.Tensor, bool]:
+        """``(indices int64 | None, values, relative)`` of one chunk of ``count`` elements."""
+
+    def key(self, name: str, role: str, start: int) -> str:
+        """Safetensors key of ``role`` for the chunk of tensor ``name`` starting at ``start``."""
+        base = f"{name}.{role}"
+        return base if start == 0 else f"{base}@{start}"
+
+
+def _flat(tensors: Mapping[str, torch.Tensor], role: str, dtype: torch.dtype, count: int) -> torch.Tensor:
+    try:
+        t = tensors[role]
+    except KeyError:
+        raise FormatError(f"role {role!r} is missing") from None
+    if t.dtype != dtype or t.dim() != 1 or t.numel() != count:
+        raise FormatError(
+            f"role {role!r} is {t.dtype} {tuple(t.shape)}, expected {dtype} ({count},)"
+        )
+    return t
+
+
+class DenseCodec(Codec):
+    """Anchors: bf16 values of a flat element range."""
+
+    name = "dense"
+    dense = True
+    max_bytes_per_element = 2
+
+    def encode(
+        self,
+        indices: torch.Tensor | None,
+        new_values: torch.Tensor,
+        old_values: torch.Tensor | None,
+    ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        return {"values": new_values.contiguous()}, {}
+
+    def decode(
+        self, tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any], count: int
+    ) -> tuple[torch.Tensor | None, torch.Tensor, bool]:
+        return None, _flat(tensors, "values", torch.bfloat16, count), False
+
+    def key(self, name: str, role: str, start: int) -> str:
+        return name if start == 0 else f"{name}@{start}"
+
+
+class SparseV1Codec(Codec):
+    """Deltas, TRL layout: int32 flat indices plus bf16 absolute values."""
+
+    name = "sparse-v1"
+    max_bytes_per_element = 6
+
+    def encode(
+        self,
+        indices: torch.Tensor | None,
+        new_values: torch.Tensor,
+        old_values: torch.Tensor | None,
+    ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        if indices is None:
+            raise FormatError("sparse-v1 needs indices")
+        if indices.numel() and int(indices[-1]) >= 2**31:
+            raise FormatError(
+                "sparse-v1 stores int32 indices; a tensor with 2**31 or more elements needs "
+                "another codec"
+            )
+        return {"indices": indices.to(torch.int32), "values": new_values.contiguous()}, {}
+
+    def decode(
+        self, tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any], count: int
+    ) -> tuple[torch.Tensor | None, torch.Tensor, bool]:
+        indices = _flat(tensors, "indices", torch.int32, count).to(torch.int64)
+        return indices, _flat(tensors, "values", torch.bfloat16, count), False
+
+
+_CODECS: dict[str, Codec] = {}
+
+
+def register_codec(codec: Codec) -> None:
+    """Make ``codec`` available under ``codec.name``."""
+    if not codec.name:
+        raise ValueError(f"{type(codec).__name__} has no name")
+    _CODECS[codec.name] = codec
+
+
+def get_codec(name: str) -> Codec:
+    """The codec registered as ``name``; :class:`FormatError` if none is."""
+    if name not in _CODECS:
+        for module in _LAZY_MODULES:
+            try:
+                importlib.import_module(module)
+            except ImportError:
+                continue
+    try:
+        return _CODECS[name]
+    except KeyError:
+        known = ", ".join(sorted(_CODECS))
+        raise FormatError(
+            f"encoding {name!r} is unknown to this version (known: {known}); upgrade vllm-deltasync"
+        ) from None
+
+
+def codec_names() -> list[str]:
+    return sorted(_CODECS)
+
+
+register_codec(DenseCodec())
+register_codec(SparseV1Codec())
+
+
+def decode_chunk(
+    entry: TensorEntry, chunk: Chunk, file_tensors: Mapping[str, torch.Tensor], *, source: str
+) -> TensorPatch:
+    """Decode one chunk of ``entry`` from the tensors of its data file; checks bounds."""
+    codec = get_codec(entry.encoding)
+    try:
+        roles = {role: file_tensors[key] for role, key in chunk.keys.items()}
+    except KeyError as exc:
+        raise FormatError(f"{source}: tensor {entry.name!r}: key {exc.args[0]!r} is missing") from None
+    try:
+        indices, values, relative = codec.decode(roles, chunk.meta, chunk.count)
+    except FormatError as exc:
+        raise FormatError(f"{source}: tensor {entry.name!r} ({entry.encoding}): {exc}") from exc
+    numel = entry.numel
+    if indices is None:
+        if chunk.stop > numel:
+            raise FormatError(f"{source}: tensor {entry.name!r}: range end {chunk.stop} > {numel}")
+        return TensorPatch(entry.name, entry.shape, None, values, chunk.start, relative)
+    _check_indices(indices, numel, entry.name, source)
+    return TensorPatch(entry.name, entry.shape, indices, values, 0, relative)
+
+
+def _check_indices(indices: torch.Tensor, numel: int, name: str, source: str) -> None:
+    if indices.numel() == 0:
+        return
+    if int(indices[0]) < 0 or int(indices[-1]) >= numel:
+        raise FormatError(f"{source}: tensor {name!r}: an index is outside [0, {numel})")
+    if indices.numel() > 1 and not bool((indices[1:] > indices[:-1]).all()):
+        raise FormatError(f"{source}: tensor {name!r}: indices are not strictly increasing")
+
+
+__all__ = [
+    "Codec",
+    "DenseCodec",
+    "SparseV1Codec",
+    "TensorPatch",
+    "codec_names",
+    "decode_chunk",
+    "get_codec",
+    "register_codec",
+]

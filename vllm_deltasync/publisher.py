@@ -1,0 +1,316 @@
+"""``DeltaPublisher``: the trainer side. One call per optimizer step.
+
+::
+
+    with DeltaPublisher("file:///data/bucket", anchor_every=10) as pub:
+        for step in range(steps):
+            train_step()
+            pub.publish(step, model.named_parameters())
+
+``publish`` rounds every parameter to bf16 on the host, compares its bit pattern with the
+one bf16 copy of the last published weights it keeps, and queues the changed elements
+(or, for an anchor, every element). A background thread encodes, writes the data files and
+then the manifest (the commit point); a bounded queue makes ``publish`` wait instead of
+growing memory when uploads fall behind. An error in the background is raised by the next
+``publish``/``flush``/``close``; the step after it is then an anchor, so the bucket never
+holds a delta whose base was lost. After each anchor, retention deletes what no reader can
+need (docs/format.md, "Retention").
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ._bridge import BackgroundLoop, default_loop
+from .codec import get_codec
+from .errors import ConfigError, PublishError
+from .manifest import Kind, Manifest, fingerprint, parse_manifest_path
+from .stores import Store, open_store
+from .writer import StepItem, retain, write_step
+
+log = logging.getLogger(__name__)
+
+TensorSource = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
+
+
+@dataclass
+class _Job:
+    step: int
+    kind: Kind
+    base_step: int | None
+    anchor_step: int
+    fingerprint: str
+    totals: tuple[int, int]  # tensors, elements of the parameter set
+    items: list[StepItem]
+
+
+@dataclass
+class PublisherStats:
+    """What a publisher has done so far (read it after ``flush()``)."""
+
+    steps: int = 0
+    """Steps committed."""
+    anchors: int = 0
+    """Of which anchors."""
+    bytes_written: int = 0
+    """Data and manifest bytes committed."""
+    diff_s: float = 0.0
+    """Seconds the training loop spent inside ``publish`` (snapshot + diff)."""
+    upload_s: float = 0.0
+    """Seconds the background thread spent encoding, writing and retaining."""
+    last_manifest: Manifest | None = None
+    """Manifest of the newest committed step."""
+    per_step: list[tuple[int, float, float]] = field(default_factory=list)
+    """``(step, diff_s, upload_s)`` of each committed step."""
+
+
+class DeltaPublisher:
+    """Publish one step per optimizer step to the bucket at ``url``."""
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        anchor_every: int = 10,
+        keep_anchors: int = 2,
+        max_file_bytes: int = 256 << 20,
+        codec: str = "sparse-v1",
+        max_pending_steps: int = 2,
+        store_options: Mapping[str, Any] | None = None,
+        on_commit: Callable[[Manifest], None] | None = None,
+        timeout_s: float = 600.0,
+    ) -> None:
+        """
+        Args:
+            url: bucket URL (``file://``, ``memory://``, ``hf://``, ``s3://``).
+            anchor_every: every ``anchor_every``-th publish is an anchor (every parameter).
+            keep_anchors: retention keeps the newest ``keep_anchors`` anchors and what follows.
+            max_file_bytes: data files are split to stay about this size.
+            codec: delta encoding (``sparse-v1`` or a registered codec).
+            max_pending_steps: steps queued for upload before ``publish`` waits.
+            store_options: passed to the store backend.
+            on_commit: called on the upload thread with each committed manifest.
+            timeout_s: limit for one store operation seen from the upload thread.
+        """
+        _check_options(anchor_every, keep_anchors, max_file_bytes, max_pending_steps)
+        if get_codec(codec).dense:
+            raise ConfigError(f"codec {codec!r} is dense; deltas need a sparse codec such as 'sparse-v1'")
+        self.url = url
+        self.anchor_every = anchor_every
+        self.keep_anchors = keep_anchors
+        self.max_file_bytes = max_file_bytes
+        self.codec = codec
+        self.on_commit = on_commit
+        self.timeout_s = timeout_s
+        self.stats = PublisherStats()
+        self._loop: BackgroundLoop = default_loop()
+        self._store: Store = open_store(url, **dict(store_options or {}))
+        self._last: dict[str, torch.Tensor] | None = None
+        self._meta: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+        self._last_step: int | None = self._run(self._newest_step())
+        self._since_anchor = 0
+        self._anchor_step = -1
+        self._force_anchor = False
+        self._error: BaseException | None = None
+        self._failed = False
+        self._closed = False
+        self._kinds: dict[int, tuple[str, frozenset[str]]] = {}
+        self._queue: queue.Queue[_Job | None] = queue.Queue(maxsize=max_pending_steps)
+        self._thread = threading.Thread(target=self._work, name="vllm-deltasync-publisher", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ trainer-facing API
+    def publish(self, step: int, named_tensors: TensorSource) -> None:
+        """Queue ``step``; returns once the diff is taken (uploads continue in the background)."""
+        self._raise_background_error()
+        if self._closed:
+            raise PublishError(f"step {step}: the publisher is closed; open a new DeltaPublisher")
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise PublishError(f"step {step!r} must be a non-negative integer")
+        if self._last_step is not None and step <= self._last_step:
+            raise PublishError(
+                f"step {step}: steps must increase; the newest step of {self._store.url} is "
+                f"{self._last_step}. Publish step {self._last_step + 1} or later, or use a new bucket"
+            )
+        started = time.perf_counter()
+        snapshot = self._snapshot(step, named_tensors)
+        job = self._make_job(step, snapshot)
+        self._last, self._last_step = snapshot, step
+        self.stats.diff_s += time.perf_counter() - started
+        self._queue.put(job)
+
+    def flush(self) -> None:
+        """Wait until every queued step is committed; raise a background error if one happened."""
+        self._queue.join()
+        self._raise_background_error()
+
+    def close(self) -> None:
+        """Commit what is queued, stop the upload thread and release the store."""
+        if self._closed:
+            return
+        self._closed = True
+        self._queue.put(None)
+        self._thread.join()
+        try:
+            self._run(self._store.close())
+        finally:
+            self._raise_background_error()
+
+    def __enter__(self) -> DeltaPublisher:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def last_step(self) -> int | None:
+        """The newest step published (queued or committed), or the bucket's newest at start."""
+        return self._last_step
+
+    # ------------------------------------------------------------------ diff (caller's thread)
+    def _snapshot(self, step: int, named_tensors: TensorSource) -> dict[str, torch.Tensor]:
+        pairs = named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
+        snapshot: dict[str, torch.Tensor] = {}
+        meta: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+        for name, tensor in pairs:
+            if not isinstance(tensor, torch.Tensor) or not tensor.is_floating_point():
+                kind = tensor.dtype if isinstance(tensor, torch.Tensor) else type(tensor).__name__
+                raise PublishError(
+                    f"step {step}: tensor {name!r} is {kind}; only floating-point parameters can "
+                    "be published (leave integer buffers out)"
+                )
+            if name in snapshot:
+                raise PublishError(f"step {step}: tensor {name!r} is given twice")
+            snapshot[name] = _to_host_bf16(tensor)
+            meta[name] = (tuple(tensor.shape), tensor.dtype)
+        if not snapshot:
+            raise PublishError(f"step {step}: no tensors given; pass model.named_parameters()")
+        self._check_same_set(step, meta)
+        self._meta = meta
+        return snapshot
+
+    def _check_same_set(self, step: int, meta: Mapping[str, tuple[tuple[int, ...], torch.dtype]]) -> None:
+        if not self._meta:
+            return
+        old = self._meta
+        missing, new = sorted(set(old) - set(meta)), sorted(set(meta) - set(old))
+        if missing or new:
+            raise PublishError(
+                f"step {step}: the parameter set changed since step {self._last_step} (missing: "
+                f"{missing[:5]}, new: {new[:5]}); publish the same parameters every step, or use "
+                "a new bucket for a new model"
+            )
+        for name, (shape, dtype) in meta.items():
+            old_shape, old_dtype = old[name]
+            if shape != old_shape or dtype != old_dtype:
+                raise PublishError(
+                    f"step {step}: tensor {name!r} is {dtype} {list(shape)}, it was {old_dtype} "
+                    f"{list(old_shape)} at step {self._last_step}; a parameter's shape and dtype "
+                    "must not change within a bucket"
+                )
+
+    def _make_job(self, step: int, snapshot: dict[str, torch.Tensor]) -> _Job:
+        last = self._last
+        anchor = last is None or self._force_anchor or self._since_anchor + 1 >= self.anchor_every
+        items = [_diff(name, self._meta[name][0], new, None if last is None else last[name], anchor)
+                 for name, new in snapshot.items()]
+        fp = fingerprint((name, shape, "bfloat16") for name, (shape, _) in self._meta.items())
+        totals = (len(snapshot), sum(t.numel() for t in snapshot.values()))
+        if anchor:
+            self._anchor_step, self._since_anchor, self._force_anchor = step, 0, False
+            return _Job(step, "anchor", None, step, fp, totals, items)
+        self._since_anchor += 1
+        return _Job(step, "delta", self._last_step, self._anchor_step, fp, totals,
+                    [i for i in items if i.changed])
+
+    # ------------------------------------------------------------------ upload thread
+    def _work(self) -> None:
+        while True:
+            job = self._queue.get()
+            try:
+                if job is None:
+                    return
+                if not self._failed:
+                    self._commit(job)
+            except BaseException as exc:  # surfaced on the caller's next call
+                log.error("publishing step=%d to %s failed: %s", job.step if job else -1, self.url, exc)
+                self._error, self._failed = exc, True
+            finally:
+                self._queue.task_done()
+
+    def _commit(self, job: _Job) -> None:
+        started = time.perf_counter()
+        manifest = write_step(
+            self._store, self._loop, job.step, job.kind, job.base_step, job.anchor_step,
+            job.fingerprint, job.totals, job.items, codec=self.codec,
+            max_file_bytes=self.max_file_bytes, timeout_s=self.timeout_s,
+        )
+        tokens = frozenset(f.path.rsplit("/", 1)[0] for f in manifest.files)
+        self._kinds[job.step] = (job.kind, tokens)
+        if job.kind == "anchor":
+            self._run(retain(self._store, self.keep_anchors, self._kinds))
+        elapsed = time.perf_counter() - started
+        stats = self.stats
+        stats.steps += 1
+        stats.anchors += job.kind == "anchor"
+        stats.bytes_written += manifest.totals.bytes + len(manifest.to_json())
+        stats.upload_s += elapsed
+        stats.last_manifest = manifest
+        log.info("committed step=%d kind=%s changed=%d bytes=%d in %.3fs", job.step, job.kind,
+                 manifest.totals.changed, manifest.totals.bytes, elapsed)
+        if self.on_commit is not None:
+            self.on_commit(manifest)
+
+    def _raise_background_error(self) -> None:
+        if self._error is None:
+            return
+        self._queue.join()  # let queued steps (based on the failed one) be discarded
+        error, self._error = self._error, None
+        self._failed, self._force_anchor = False, True
+        raise error
+
+    def _run(self, coro: Any) -> Any:
+        return self._loop.run(coro, self.timeout_s)
+
+    async def _newest_step(self) -> int | None:
+        steps = [parse_manifest_path(o.path) for o in await self._store.list("manifests/")]
+        found = [s for s in steps if s is not None]
+        return max(found) if found else None
+
+
+def _check_options(anchor_every: int, keep_anchors: int, max_file_bytes: int, pending: int) -> None:
+    for name, value, low in (("anchor_every", anchor_every, 1), ("keep_anchors", keep_anchors, 1),
+                             ("max_file_bytes", max_file_bytes, 1024), ("max_pending_steps", pending, 1)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ConfigError(f"DeltaPublisher: {name}={value!r} must be an integer >= {low}")
+
+
+def _to_host_bf16(tensor: torch.Tensor) -> torch.Tensor:
+    """A private flat bf16 CPU copy of ``tensor``."""
+    src = tensor.detach()
+    out = src.to(torch.bfloat16).to("cpu")
+    if out.data_ptr() == src.data_ptr():  # already bf16 on the host: the trainer mutates it
+        out = out.clone(memory_format=torch.contiguous_format)
+    return out.contiguous().view(-1)
+
+
+def _diff(name: str, shape: tuple[int, ...], new: torch.Tensor, old: torch.Tensor | None,
+          anchor: bool) -> StepItem:
+    if old is None:
+        return StepItem(name, shape, new.numel(), None, new, None)
+    changed_mask = new.view(torch.int16) != old.view(torch.int16)
+    if anchor:
+        return StepItem(name, shape, int(changed_mask.sum()), None, new, None)
+    indices = changed_mask.nonzero().view(-1)
+    return StepItem(name, shape, indices.numel(), indices, new[indices], old[indices])
+
+
+__all__ = ["DeltaPublisher", "PublisherStats"]
