@@ -355,7 +355,8 @@ class SyncMetrics:
             hist.labels(rank).observe(seconds)
 
     def synced(self, max_steps_behind: int = 0) -> tuple[bool, dict[str, Any]]:
-        """Readiness: every rank has applied a step and is at most ``max_steps_behind`` behind."""
+        """Readiness: every rank is at most ``max_steps_behind`` steps behind the newest step it
+        saw, and has applied one (unless the bucket is empty)."""
         with self._lock:
             ranks = list(self.latest)
         rows = []
@@ -365,8 +366,10 @@ class SyncMetrics:
             rows.append({"rank": s.get("rank", index), "applied_step": applied,
                          "newest_step": newest, "steps_behind": max(behind, 0),
                          "last_error": s.get("last_error")})
-        ok = bool(rows) and all(
-            r["applied_step"] is not None and r["steps_behind"] <= max_steps_behind for r in rows
+        ok = bool(rows) and all(  # an empty bucket leaves the loaded weights current
+            (r["applied_step"] is not None or r["newest_step"] is None)
+            and r["steps_behind"] <= max_steps_behind
+            for r in rows
         )
         return ok, {"synced": ok, "max_steps_behind": max_steps_behind, "ranks": rows}
 
