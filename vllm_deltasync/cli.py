@@ -1,0 +1,233 @@
+"""The ``vllm-deltasync`` command line.
+
+Built-in verbs: ``inspect``, ``verify``, ``materialize``. More verbs plug in without editing
+this file: any module ``vllm_deltasync/cli_<verb>.py`` defining
+``add_parser(subparsers) -> None`` is picked up, and :func:`register_command` adds one from
+anywhere else. An ``add_parser`` creates its sub-parser and sets ``func`` to a callable
+``(argparse.Namespace) -> int`` (the exit status)::
+
+    def add_parser(subparsers):
+        p = subparsers.add_parser("status", help="...")
+        p.add_argument("url")
+        p.set_defaults(func=run_status)
+
+Errors of the :mod:`vllm_deltasync.errors` tree become one line on stderr and exit status 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib
+import json
+import os
+import pkgutil
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from . import __version__
+from .errors import DeltaSyncError
+from .manifest import Manifest
+from .reader import BucketReader
+
+# verb -> (module, function taking the subparsers action)
+_COMMANDS: dict[str, tuple[str, str]] = {
+    "inspect": (__name__, "_add_inspect"),
+    "verify": (__name__, "_add_verify"),
+    "materialize": (__name__, "_add_materialize"),
+}
+
+
+def register_command(verb: str, module: str, function: str = "add_parser") -> None:
+    """Add ``verb``: ``module.function(subparsers)`` builds its sub-parser (imported lazily)."""
+    _COMMANDS[verb] = (module, function)
+
+
+def _discover() -> None:
+    package = Path(__file__).parent
+    for info in pkgutil.iter_modules([str(package)]):
+        if info.name.startswith("cli_"):
+            verb = info.name[4:].replace("_", "-")
+            _COMMANDS.setdefault(verb, (f"vllm_deltasync.{info.name}", "add_parser"))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The full parser with every registered verb."""
+    parser = argparse.ArgumentParser(
+        prog="vllm-deltasync", description="Inspect, verify and materialize vllm-deltasync buckets."
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    _discover()
+    for verb, (module_name, function) in sorted(_COMMANDS.items()):
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError as exc:
+            subparsers.add_parser(verb, help=f"(unavailable: {exc})")
+            continue
+        getattr(module, function)(subparsers)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    func = getattr(args, "func", None)
+    if func is None:
+        parser.print_help(sys.stderr)
+        return 2
+    try:
+        return int(func(args) or 0)
+    except DeltaSyncError as exc:
+        print(f"vllm-deltasync {args.command}: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+# ---------------------------------------------------------------------------- inspect
+def _add_inspect(subparsers: Any) -> None:
+    p = subparsers.add_parser("inspect", help="steps, kinds, bytes, sparsity and chains of a bucket")
+    p.add_argument("url", help="bucket URL (file://, memory://, hf://, s3://)")
+    p.add_argument("--json", action="store_true", help="print one JSON document")
+    p.set_defaults(func=_run_inspect)
+
+
+async def _load_all(reader: BucketReader) -> tuple[list[Manifest], list[str]]:
+    manifests, problems = [], []
+    for step in await reader.list_steps():
+        try:
+            manifests.append(await reader.manifest(step))
+        except DeltaSyncError as exc:
+            problems.append(str(exc))
+    return manifests, problems
+
+
+def _chains(manifests: list[Manifest]) -> list[dict[str, Any]]:
+    by_step = {m.step: m for m in manifests}
+    chains: dict[int, list[int]] = {}
+    for m in manifests:
+        chains.setdefault(m.anchor_step, []).append(m.step)
+    out = []
+    for anchor, steps in sorted(chains.items()):
+        complete = anchor in by_step and all(
+            by_step[s].kind == "anchor" or by_step[s].base_step in by_step for s in steps
+        )
+        out.append({"anchor": anchor, "first": steps[0], "last": steps[-1], "steps": len(steps),
+                    "complete": complete})
+    return out
+
+
+def _step_row(m: Manifest) -> dict[str, Any]:
+    return {"step": m.step, "kind": m.kind, "base_step": m.base_step, "anchor_step": m.anchor_step,
+            "created_at": m.created_at, "files": len(m.files), "bytes": m.totals.bytes,
+            "tensors": len(m.tensors), "changed": m.totals.changed, "elements": m.totals.elements,
+            "sparsity": m.sparsity, "fingerprint": m.fingerprint}
+
+
+def _run_inspect(args: argparse.Namespace) -> int:
+    async def go() -> tuple[str, list[Manifest], list[str]]:
+        async with BucketReader.open(args.url) as reader:
+            manifests, problems = await _load_all(reader)
+            return reader.store.url, manifests, problems
+
+    url, manifests, problems = asyncio.run(go())
+    rows, chains = [_step_row(m) for m in manifests], _chains(manifests)
+    if args.json:
+        print(json.dumps({"url": url, "steps": rows, "chains": chains, "problems": problems}, indent=2))
+        return 0
+    total = sum(r["bytes"] for r in rows)
+    print(f"bucket {url}: {len(rows)} steps, {sum(r['kind'] == 'anchor' for r in rows)} anchors, "
+          f"{_human(total)}")
+    if rows:
+        print(f"{'step':>10} {'kind':<6} {'base':>10} {'anchor':>10} {'files':>5} {'bytes':>10} "
+              f"{'changed':>12} {'sparsity':>9}")
+    for r in rows:
+        base = "-" if r["base_step"] is None else r["base_step"]
+        print(f"{r['step']:>10} {r['kind']:<6} {base:>10} {r['anchor_step']:>10} {r['files']:>5} "
+              f"{_human(r['bytes']):>10} {r['changed']:>12} {r['sparsity'] * 100:>8.3f}%")
+    for c in chains:
+        state = "complete" if c["complete"] else "BROKEN"
+        print(f"chain from anchor {c['anchor']}: steps {c['first']}..{c['last']} ({c['steps']}), {state}")
+    for problem in problems:
+        print(f"problem: {problem}")
+    return 0
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"
+
+
+# ---------------------------------------------------------------------------- verify
+def _add_verify(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "verify", help="check every manifest, file (size, sha256), chain and fingerprint"
+    )
+    p.add_argument("url")
+    p.set_defaults(func=_run_verify)
+
+
+def _run_verify(args: argparse.Namespace) -> int:
+    async def go() -> tuple[list[int], list[str]]:
+        async with BucketReader.open(args.url) as reader:
+            return await reader.list_steps(), await reader.verify()
+
+    steps, problems = asyncio.run(go())
+    for problem in problems:
+        print(problem)
+    if problems:
+        print(f"{len(problems)} problem(s) in {args.url}", file=sys.stderr)
+        return 1
+    print(f"ok: {len(steps)} steps verified in {args.url}")
+    return 0
+
+
+# ---------------------------------------------------------------------------- materialize
+def _add_materialize(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "materialize", help="write the full bf16 checkpoint of one step (model.safetensors)"
+    )
+    p.add_argument("url")
+    p.add_argument("--step", type=int, default=None, help="step to rebuild (default: newest)")
+    p.add_argument("--out", required=True, help="directory to write model.safetensors into")
+    p.add_argument("--force", action="store_true", help="replace an existing model.safetensors")
+    p.set_defaults(func=_run_materialize)
+
+
+def _run_materialize(args: argparse.Namespace) -> int:
+    from safetensors.torch import save_file
+
+    out = Path(args.out) / "model.safetensors"
+    if out.exists() and not args.force:
+        print(f"vllm-deltasync materialize: {out} exists; pass --force to replace it", file=sys.stderr)
+        return 1
+
+    async def go() -> tuple[int, Manifest, dict[str, Any]]:
+        async with BucketReader.open(args.url) as reader:
+            step = args.step if args.step is not None else await reader.latest_step()
+            if step is None:
+                raise DeltaSyncError(f"{args.url} holds no committed step")
+            tensors = await reader.read_full(step)  # verifies every file before decoding it
+            return step, await reader.manifest(step), tensors
+
+    step, manifest, tensors = asyncio.run(go())
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    meta = {"format": "pt", "vllm_deltasync_step": str(step), "vllm_deltasync_fingerprint": manifest.fingerprint}
+    try:
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata=meta)
+        os.replace(tmp, out)
+    finally:
+        tmp.unlink(missing_ok=True)
+    print(f"wrote {out}: step {step}, {len(tensors)} tensors")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
