@@ -1,0 +1,173 @@
+"""``vllm-deltasync status URL...``: one line per rollout server, read from its metrics endpoint.
+
+::
+
+    $ vllm-deltasync status http://rollout-0:9464 http://rollout-1:9464
+    http://rollout-0:9464/metrics  applied=41 newest=42 behind=1 lag=3.2s ranks=2 error=-
+    http://rollout-1:9464/metrics  applied=42 newest=42 behind=0 lag=0.0s ranks=2 error=-
+
+A URL without a path gets ``/metrics``; one without a scheme gets ``http://``. A replica with
+tensor parallelism reports one series per rank: the line shows its worst rank (lowest applied
+step, most steps behind) and the error of a rank whose last attempt failed
+(``error=IntegrityError@rank1``). Exit status: 0 all fine, 1 a server unreachable or exposing no
+deltasync metrics, 3 a replica failing or more than ``--max-steps-behind`` steps behind.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections.abc import Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from vllm_deltasync.errors import ConfigError
+
+EXIT_UNREACHABLE = 1
+EXIT_UNHEALTHY = 3
+
+
+@dataclass(frozen=True)
+class ReplicaStatus:
+    """What one server's metrics say (None where the server did not say)."""
+
+    url: str
+    applied_step: int | None = None
+    newest_step: int | None = None
+    steps_behind: int | None = None
+    seconds_behind: float | None = None
+    ranks: int = 0
+    error: str | None = None
+    """``<reason>@rank<N>`` of a failing rank, None when no rank is failing."""
+    unreachable: str | None = None
+    """Why the metrics could not be read; the other fields are then empty."""
+
+    def line(self) -> str:
+        if self.unreachable is not None:
+            return f"{self.url}  unreachable: {self.unreachable}"
+        lag = "-" if self.seconds_behind is None else f"{self.seconds_behind:.1f}s"
+        return (f"{self.url}  applied={_show(self.applied_step)} newest={_show(self.newest_step)} "
+                f"behind={_show(self.steps_behind)} lag={lag} ranks={self.ranks} "
+                f"error={self.error or '-'}")
+
+
+def _show(value: int | None) -> str:
+    return "-" if value is None or value < 0 else str(value)
+
+
+def metrics_url(url: str) -> str:
+    """``host:9464`` -> ``http://host:9464/metrics``; a URL with a path is kept."""
+    if "://" not in url:
+        url = "http://" + url
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        raise ConfigError(f"status: {url!r} is not an http(s) URL of a metrics endpoint")
+    if parts.path in ("", "/"):
+        parts = parts._replace(path="/metrics")
+    return urllib.parse.urlunsplit(parts)
+
+
+def parse_status(url: str, text: str) -> ReplicaStatus:
+    """Summarize one exposition (Prometheus text format) of a replica."""
+    per_rank: dict[str, dict[str, float]] = {}
+    failures: dict[str, tuple[float, str]] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            rank = s.labels.get("rank")
+            if rank is None or not s.name.startswith("deltasync_"):
+                continue
+            if s.name == "deltasync_last_failure_timestamp_seconds":
+                if s.value > failures.get(rank, (-1.0, ""))[0]:
+                    failures[rank] = (s.value, s.labels.get("reason", "Error"))
+            elif len(s.labels) == 1:
+                per_rank.setdefault(rank, {})[s.name[len("deltasync_"):]] = s.value
+    if not per_rank:
+        return ReplicaStatus(url, unreachable="no deltasync metrics at this URL")
+    return _summarize(url, per_rank, failures)
+
+
+def _summarize(url: str, per_rank: dict[str, dict[str, float]],
+               failures: dict[str, tuple[float, str]]) -> ReplicaStatus:
+    def values(key: str) -> list[float]:
+        return [r[key] for r in per_rank.values() if key in r]
+
+    applied, newest, behind = values("applied_step"), values("newest_step"), values("steps_behind")
+    lags = [r["newest_publish_timestamp_seconds"] - r["applied_publish_timestamp_seconds"]
+            for r in per_rank.values()
+            if {"newest_publish_timestamp_seconds", "applied_publish_timestamp_seconds"} <= set(r)]
+    failing = sorted(rank for rank, r in per_rank.items() if r.get("failing", 0) > 0)
+    error = None
+    if failing:
+        rank = failing[0]
+        error = f"{failures.get(rank, (0.0, 'Error'))[1]}@rank{rank}"
+    return ReplicaStatus(
+        url,
+        applied_step=int(min(applied)) if applied else None,
+        newest_step=int(max(newest)) if newest else None,
+        steps_behind=int(max(behind)) if behind else None,
+        seconds_behind=max(lags) if lags else None,
+        ranks=len(per_rank),
+        error=error,
+    )
+
+
+def fetch_status(url: str, timeout_s: float = 5.0) -> ReplicaStatus:
+    """GET one metrics endpoint and summarize it (never raises for network errors)."""
+    target = metrics_url(url)
+    try:
+        with urllib.request.urlopen(target, timeout=timeout_s) as resp:
+            text = resp.read().decode("utf-8", "replace")
+    except (urllib.error.URLError, OSError, ValueError) as exc:
+        reason = getattr(exc, "reason", None) or exc
+        return ReplicaStatus(target, unreachable=str(reason))
+    return parse_status(target, text)
+
+
+def fetch_all(urls: Iterable[str], timeout_s: float = 5.0) -> list[ReplicaStatus]:
+    """Every server at once; results in the order of ``urls``."""
+    urls = [metrics_url(u) for u in urls]
+    with ThreadPoolExecutor(max_workers=min(16, max(1, len(urls)))) as pool:
+        return list(pool.map(lambda u: fetch_status(u, timeout_s), urls))
+
+
+def exit_status(rows: Sequence[ReplicaStatus], max_steps_behind: int | None) -> int:
+    if any(r.unreachable is not None for r in rows):
+        return EXIT_UNREACHABLE
+    for r in rows:
+        too_far = max_steps_behind is not None and (r.steps_behind or 0) > max_steps_behind
+        if r.error is not None or too_far:
+            return EXIT_UNHEALTHY
+    return 0
+
+
+def add_parser(subparsers: Any) -> None:
+    """Register the ``status`` verb (called by :mod:`vllm_deltasync.cli`)."""
+    p = subparsers.add_parser(
+        "status", help="applied step, steps behind and last error of running rollout servers",
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("urls", nargs="+", metavar="URL",
+                   help="metrics endpoint of a server (host:9464, http://host:9464/metrics)")
+    p.add_argument("--timeout", type=float, default=5.0, help="seconds per server (default 5)")
+    p.add_argument("--max-steps-behind", type=int, default=None,
+                   help="exit 3 when a replica is more steps behind than this")
+    p.add_argument("--json", action="store_true", help="one JSON document instead of lines")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Print one line per server; the exit status says whether all are fine."""
+    rows = fetch_all(args.urls, args.timeout)
+    if args.json:
+        print(json.dumps([asdict(r) for r in rows], indent=2))
+    else:
+        for row in rows:
+            print(row.line())
+    sys.stdout.flush()
+    return exit_status(rows, args.max_steps_behind)
