@@ -37,6 +37,7 @@ _COMMANDS: dict[str, tuple[str, str]] = {
     "inspect": (__name__, "_add_inspect"),
     "verify": (__name__, "_add_verify"),
     "materialize": (__name__, "_add_materialize"),
+    "import-trl": ("vllm_deltasync.trl_import", "add_parser"),
 }
 
 
