@@ -20,6 +20,7 @@ dropped connections. ``PUT /_test/upload/{id}/{path}`` is the test stand-in for 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import hmac
 import json
@@ -150,7 +151,9 @@ class HubServer:
         op = "update" if path in self.buckets[bucket_id] else "add"
         self.buckets[bucket_id][path] = data
         self.blobs[_xet(data)] = data
-        await self._emit(bucket_id, {"path": path, "op": op, "size": len(data), "xetHash": _xet(data)})
+        await self._emit(
+            bucket_id, {"path": path, "op": op, "size": len(data), "xetHash": _xet(data)}
+        )
 
     async def _emit(self, bucket_id: str, change: dict[str, Any]) -> None:
         assert self._changed is not None
@@ -179,8 +182,12 @@ class HubServer:
         return bucket_id, self.buckets[bucket_id]
 
     @staticmethod
-    def _error(status: int, code: str, message: str, extra: dict[str, str] | None = None) -> web.HTTPException:
-        return _HubError(status, {"X-Error-Code": code, "X-Error-Message": message, **(extra or {})}, message)
+    def _error(
+        status: int, code: str, message: str, extra: dict[str, str] | None = None
+    ) -> web.HTTPException:
+        return _HubError(
+            status, {"X-Error-Code": code, "X-Error-Message": message, **(extra or {})}, message
+        )
 
     async def _gate(self, request: web.Request, kind: str) -> dict[str, str]:
         """Auth, fault injection and quota for an API or resolve call; returns RateLimit headers."""
@@ -198,7 +205,12 @@ class HubServer:
         headers = {"RateLimit": f'"{quota}";r={left};t={math.ceil(reset)}'}
         if not ok:
             self._record(request, kind, 429, reset_at=time.monotonic() + reset)
-            raise self._error(429, "RateLimited", "too many requests", {"Retry-After": str(math.ceil(reset)), **headers})
+            raise self._error(
+                429,
+                "RateLimited",
+                "too many requests",
+                {"Retry-After": str(math.ceil(reset)), **headers},
+            )
         self._record(request, kind, 200)
         return headers
 
@@ -207,7 +219,12 @@ class HubServer:
     async def _info(self, request: web.Request) -> web.Response:
         headers = await self._gate(request, "api")
         bucket_id, files = self._bucket(request)
-        info = {"id": bucket_id, "private": True, "totalFiles": len(files), "size": sum(map(len, files.values()))}
+        info = {
+            "id": bucket_id,
+            "private": True,
+            "totalFiles": len(files),
+            "size": sum(map(len, files.values())),
+        }
         return web.json_response(info, headers=headers)
 
     async def _tree(self, request: web.Request) -> web.Response:
@@ -230,7 +247,9 @@ class HubServer:
         headers = await self._gate(request, "api")
         _, files = self._bucket(request)
         wanted = (await request.json())["paths"]
-        return web.json_response([_file_entry(p, files[p]) for p in wanted if p in files], headers=headers)
+        return web.json_response(
+            [_file_entry(p, files[p]) for p in wanted if p in files], headers=headers
+        )
 
     async def _batch(self, request: web.Request) -> web.Response:
         headers = await self._gate(request, "api")
@@ -264,7 +283,9 @@ class HubServer:
         expires = str(int(time.time()) + 3600)
         sig = _sign(bucket_id, path, expires)
         location = f"{self.cdn}/cdn/{bucket_id}/{quote(path)}?expires={expires}&sig={sig}"
-        headers.update({"Location": location, "X-Xet-Hash": _xet(data), "X-Linked-Size": str(len(data))})
+        headers.update(
+            {"Location": location, "X-Xet-Hash": _xet(data), "X-Linked-Size": str(len(data))}
+        )
         return web.Response(status=302, headers=headers)
 
     async def _events(self, request: web.Request) -> web.StreamResponse:
@@ -272,7 +293,9 @@ class HubServer:
         bucket_id, _ = self._bucket(request)
         if not self.faults.events_enabled:
             raise self._error(501, "NotImplemented", "events feed unavailable")
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        resp = web.StreamResponse(
+            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+        )
         await resp.prepare(request)
         cursor = int(request.query.get("cursor", len(self.events)))
         await resp.write(f"id: {cursor}\nevent: ready\ndata: {{}}\n\n".encode())
@@ -283,13 +306,13 @@ class HubServer:
             if len(self.events) > cursor:
                 cursor = len(self.events)
                 if mine:
-                    await resp.write(f"id: {cursor}\nevent: changes\ndata: {json.dumps(mine)}\n\n".encode())
+                    await resp.write(
+                        f"id: {cursor}\nevent: changes\ndata: {json.dumps(mine)}\n\n".encode()
+                    )
                 continue
             async with self._changed:
-                try:
+                with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(self._changed.wait(), min(left, 1.0))
-                except asyncio.TimeoutError:
-                    pass
         await resp.write(f"id: {cursor}\nevent: reconnect\ndata: {{}}\n\n".encode())
         return resp
 
@@ -301,9 +324,14 @@ class HubServer:
         if "Authorization" in request.headers:
             self.cdn_auth_seen += 1
             self._record(request, "cdn", 400)
-            raise self._error(400, "AuthorizationNotAllowed", "the CDN rejects Authorization headers")
+            raise self._error(
+                400, "AuthorizationNotAllowed", "the CDN rejects Authorization headers"
+            )
         expires = request.query.get("expires", "")
-        if request.query.get("sig") != _sign(bucket_id, path, expires) or int(expires) < time.time():
+        if (
+            request.query.get("sig") != _sign(bucket_id, path, expires)
+            or int(expires) < time.time()
+        ):
             self._record(request, "cdn", 403)
             raise self._error(403, "SignatureDoesNotMatch", "bad or expired signature")
         data = self.buckets.get(bucket_id, {}).get(path)
@@ -346,7 +374,9 @@ class HubServer:
 class _HubError(web.HTTPException):
     def __init__(self, status: int, headers: dict[str, str], message: str) -> None:
         self.status_code = status
-        super().__init__(headers=headers, text=json.dumps({"error": message}), content_type="application/json")
+        super().__init__(
+            headers=headers, text=json.dumps({"error": message}), content_type="application/json"
+        )
 
 
 def _xet(data: bytes) -> str:
@@ -358,7 +388,14 @@ def _sign(bucket_id: str, path: str, expires: str) -> str:
 
 
 def _file_entry(path: str, data: bytes) -> dict[str, Any]:
-    return {"type": "file", "path": path, "size": len(data), "xetHash": _xet(data), "mtime": 0, "uploadedAt": 0}
+    return {
+        "type": "file",
+        "path": path,
+        "size": len(data),
+        "xetHash": _xet(data),
+        "mtime": 0,
+        "uploadedAt": 0,
+    }
 
 
 def _parse_range(value: str | None, size: int) -> tuple[int, int]:

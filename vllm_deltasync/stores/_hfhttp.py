@@ -1,8 +1,8 @@
-"""HTTP answers of the Hugging Face bucket API translated into the project's error tree."""
+"""HTTP helpers of the Hugging Face bucket API: errors into the project's tree, the SSE parser."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping
 
 import aiohttp
 
@@ -58,4 +58,25 @@ def connection_error(exc: aiohttp.ClientError, what: str) -> StoreError:
     return TransientStoreError(f"{what}: connection failed ({type(exc).__name__}: {exc})")
 
 
-__all__ = ["connection_error", "error_for_response", "hub_error"]
+async def parse_sse(stream: aiohttp.StreamReader) -> AsyncIterator[tuple[str, str, str | None]]:
+    """Server-sent events as ``(event, data, id)``; ``id`` is the last one seen (the cursor)."""
+    kind, event_id = "message", None
+    data: list[str] = []
+    async for raw in stream:
+        line = raw.decode("utf-8").rstrip("\r\n")
+        if not line:
+            if data or kind != "message":
+                yield kind, "\n".join(data), event_id
+            kind, data = "message", []
+            continue
+        field, _, value = line.partition(":")
+        value = value[1:] if value.startswith(" ") else value
+        if field == "event":
+            kind = value
+        elif field == "data":
+            data.append(value)
+        elif field == "id":
+            event_id = value
+
+
+__all__ = ["connection_error", "error_for_response", "hub_error", "parse_sse"]

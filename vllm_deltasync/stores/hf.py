@@ -38,10 +38,11 @@ import aiohttp
 from yarl import URL
 
 from ..errors import ConfigError, NotFoundError, StoreError, TransientStoreError
-from ._hfhttp import connection_error, error_for_response, hub_error
+from ._hfhttp import connection_error, error_for_response, hub_error, parse_sse
 from ._parts import RangedReader, parse_content_range, range_header
 from ._retry import RateGate, RetryPolicy, retry
 from .base import ObjectInfo, Store
+from .local import check_path
 
 Uploader = Callable[[list[tuple[str, bytes]]], Awaitable[None]]
 """Uploads ``[(path in bucket, bytes), ...]``; the seam that replaces the Xet upload in tests."""
@@ -142,7 +143,7 @@ class HfStore(Store):
     # -- plumbing ----------------------------------------------------------------------------
 
     def _full(self, path: str) -> str:
-        path = path.lstrip("/")
+        path = check_path(path)
         return f"{self.prefix}/{path}" if self.prefix else path
 
     def _rel(self, full: str) -> str:
@@ -226,30 +227,34 @@ class HfStore(Store):
     # -- reads -------------------------------------------------------------------------------
 
     async def list(self, prefix: str = "") -> builtins.list[ObjectInfo]:
-        full = self._full(prefix) if (prefix or self.prefix) else ""
+        full = (f"{self.prefix}/" if self.prefix else "") + prefix.lstrip("/")
         directory = full.rsplit("/", 1)[0] if "/" in full else ""
         tail = "/tree" + (f"/{quote(directory, safe='')}" if directory else "")
         url: str | None = self._api(tail) + "?recursive=true"
         found: builtins.list[ObjectInfo] = []
         while url:
-            status, _, body, links = await self._call(
+            status, headers, body, links = await self._call(
                 "list", "api", "GET", url, what=f"{self.url}: list", ok404=True
             )
             if status == 404:
+                self._raise_if_no_bucket(headers)
                 return []
             for item in json.loads(body):
                 path = item.get("path", "")
-                if (
-                    item.get("type") == "file"
-                    and path.startswith(full)
-                    and (not self.prefix or path.startswith(self.prefix + "/"))
-                ):
+                if item.get("type") == "file" and path.startswith(full):
                     found.append(
                         ObjectInfo(self._rel(path), int(item["size"]), item.get("xetHash"))
                     )
             nxt = links.get("next")
             url = urljoin(url, str(nxt["url"])) if nxt else None
         return sorted(found, key=lambda o: o.path)
+
+    def _raise_if_no_bucket(self, headers: Mapping[str, str]) -> None:
+        if headers.get("X-Error-Code") == "RepoNotFound":
+            raise NotFoundError(
+                f"{self.url}: bucket {self.bucket_id!r} not found at {self.endpoint}; "
+                "check the URL, HF_ENDPOINT and that HF_TOKEN can see it"
+            )
 
     async def paths_info(self, paths: Sequence[str]) -> builtins.list[ObjectInfo]:
         """The existing objects among ``paths`` in one API call (missing ones are left out)."""
@@ -280,6 +285,7 @@ class HfStore(Store):
             ok404=True,
         )
         if status == 404:
+            self._raise_if_no_bucket(headers)
             return None
         size = headers.get("X-Linked-Size") or headers.get("Content-Length") or "0"
         return ObjectInfo(path, int(size), headers.get("X-Xet-Hash"))
@@ -363,27 +369,10 @@ class HfStore(Store):
                 self.stats.count("events", "ok" if resp.status < 400 else "error")
                 if resp.status >= 400:
                     raise error_for_response(resp.status, resp.headers, f"{self.url}: events feed")
-                async for event in self._parse_sse(resp.content):
-                    yield event
+                async for kind, data, event_id in parse_sse(resp.content):
+                    yield self._event(kind, data, event_id)
         except aiohttp.ClientError as exc:
             raise connection_error(exc, f"{self.url}: events feed") from exc
-
-    async def _parse_sse(self, stream: aiohttp.StreamReader) -> AsyncIterator[ChangeEvent]:
-        kind, data, event_id = "message", [], None
-        async for raw in stream:
-            line = raw.decode("utf-8").rstrip("\r\n")
-            if line:
-                field, _, value = line.partition(":")
-                value = value[1:] if value.startswith(" ") else value
-                if field == "event":
-                    kind = value
-                elif field == "data":
-                    data.append(value)
-                elif field == "id":
-                    event_id = value
-                continue
-            yield self._event(kind, "\n".join(data), event_id)
-            kind, data = "message", []
 
     def _event(self, kind: str, data: str, cursor: str | None) -> ChangeEvent:
         if kind != "changes":

@@ -1,0 +1,280 @@
+"""Cheap, rate-limit-aware discovery of newly committed steps in a bucket.
+
+API (used by the poller)::
+
+    watcher = StepWatcher(store)                  # any Store; hf:// adds the events feed
+    step = await watcher.wait_for_new(after=41, timeout_s=30.0)
+    # -> the newest committed step > 41 known to the watcher (may skip steps: the reader plans
+    #    the chain), or None when nothing new arrived within timeout_s. after=None: any step.
+    watcher.latest                                # newest committed step seen, or None
+    watcher.stats                                 # WatcherStats counters (for metrics.py)
+    await watcher.close()                         # stops the events task
+
+How it finds a step (a step is committed when ``manifests/{step:012d}.json`` exists):
+
+1. **Events feed** when the store has one (``store.changes(cursor)``, hf:// today): one
+   long-lived connection; a ``changes`` event naming a manifest is a new step, at no request
+   cost. Connections are paced (``events_min_connect_interval_s``) and resume from the last
+   cursor. A feed that is unavailable (401/403/404/501) switches to polling and is retried
+   every ``events_retry_s``.
+2. **Probing** otherwise: ``stat`` (one HEAD on hf://, a resolve call, not an API call) of the
+   next expected immutable name ``manifests/{latest + stride}.json`` every ``probe_interval_s``
+   (jittered); ``stride`` is the last observed step gap, so a trainer publishing every k
+   steps is probed at the right name. A hit is followed by immediate probes of the next
+   names until a miss (catching up costs one call per step).
+3. **Full listing** (one API call per page) at start-up, after a feed ``reset``, and every
+   ``listing_interval_s`` as a safety net for gaps the probe cannot guess.
+
+429 answers are honoured (the store's rate gate holds every request until the reset), other
+transient failures back off with jitter; counters say what happened.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import re
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from .errors import ConfigError, RateLimitedError, StoreError, TransientStoreError
+from .stores._retry import RetryPolicy
+from .stores.base import Store
+
+logger = logging.getLogger(__name__)
+
+_MANIFEST = re.compile(r"(?:^|/)manifests/(\d{12})\.json$")
+
+
+def manifest_name(step: int) -> str:
+    """``manifests/000000000042.json`` (the format's commit point of a step)."""
+    return f"manifests/{step:012d}.json"
+
+
+def step_of(path: str) -> int | None:
+    """The step a manifest path names, or None for any other path."""
+    found = _MANIFEST.search(path)
+    return int(found.group(1)) if found else None
+
+
+@dataclass
+class WatcherStats:
+    """What discovery is doing (read by the metrics layer)."""
+
+    mode: str = "idle"
+    """``events`` (feed connected), ``polling`` (probing), or ``idle`` (not started)."""
+    probes: int = 0
+    probe_hits: int = 0
+    listings: int = 0
+    events_connects: int = 0
+    events_received: int = 0
+    events_unavailable: int = 0
+    rate_limited: int = 0
+    errors: int = 0
+
+
+class StepWatcher:
+    """Tells the poller when a newer committed step exists in ``store``."""
+
+    def __init__(
+        self,
+        store: Store,
+        *,
+        probe_interval_s: float = 5.0,
+        listing_interval_s: float = 600.0,
+        empty_listing_interval_s: float = 30.0,
+        use_events: bool = True,
+        events_retry_s: float = 600.0,
+        events_min_connect_interval_s: float = 30.0,
+        retry_policy: RetryPolicy | None = None,
+    ) -> None:
+        if probe_interval_s <= 0 or listing_interval_s < probe_interval_s:
+            raise ConfigError(
+                f"StepWatcher({store.url}): probe_interval_s={probe_interval_s}, listing_interval_s="
+                f"{listing_interval_s}; use probe_interval_s > 0 and listing_interval_s >= probe_interval_s"
+            )
+        self.store = store
+        self.probe_interval_s = probe_interval_s
+        self.listing_interval_s = listing_interval_s
+        self.empty_listing_interval_s = empty_listing_interval_s
+        self.use_events = use_events and hasattr(store, "changes")
+        self.events_retry_s = events_retry_s
+        self.events_min_connect_interval_s = events_min_connect_interval_s
+        self.retry_policy = retry_policy or RetryPolicy()
+        self.stats = WatcherStats()
+        self.latest: int | None = None
+        self.stride = 1
+        self._listed_at: float | None = None
+        self._wake = asyncio.Event()
+        self._events_task: asyncio.Task[None] | None = None
+        self._feed_live = False
+        self._failures = 0
+
+    # -- public ------------------------------------------------------------------------------
+
+    async def wait_for_new(self, after: int | None, timeout_s: float) -> int | None:
+        """The newest committed step > ``after`` (any step when None), or None after ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        self._start_events()
+        try:
+            while True:
+                self._wake.clear()  # set again by any step noted from here on
+                if self._newer(after):
+                    return self.latest
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return None
+                await asyncio.wait_for(self._round(after, deadline), left)
+        except asyncio.TimeoutError:
+            return self.latest if self._newer(after) else None
+
+    async def close(self) -> None:
+        if self._events_task is not None:
+            self._events_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._events_task
+            self._events_task = None
+
+    # -- one round: list, probe, or wait for the feed ------------------------------------------
+
+    def _newer(self, after: int | None) -> bool:
+        return self.latest is not None and (after is None or self.latest > after)
+
+    async def _round(self, after: int | None, deadline: float) -> None:
+        try:
+            if self._listing_due():
+                await self._list()
+            elif self._feed_live:
+                self.stats.mode = "events"
+                await self._sleep_or_wake(min(deadline, self._next_listing()) - time.monotonic())
+            else:
+                self.stats.mode = "polling"
+                if not await self._probe(after):
+                    await self._sleep_or_wake(self._jittered(self.probe_interval_s))
+            self._failures = 0
+        except TransientStoreError as exc:
+            await self._back_off(exc)
+
+    def _listing_due(self) -> bool:
+        return self._listed_at is None or time.monotonic() >= self._next_listing()
+
+    def _next_listing(self) -> float:
+        interval = (
+            self.listing_interval_s if self.latest is not None else self.empty_listing_interval_s
+        )
+        return (self._listed_at or 0.0) + interval
+
+    async def _list(self) -> None:
+        self.stats.listings += 1
+        infos = await self.store.list("manifests/")
+        self._listed_at = time.monotonic()
+        steps = sorted(s for s in (step_of(i.path) for i in infos) if s is not None)
+        for step in steps[-2:]:
+            self._note(step)
+
+    async def _probe(self, after: int | None) -> bool:
+        """Probe the next expected names; True when at least one was found."""
+        base = (
+            self.latest
+            if after is None or (self.latest is not None and self.latest > after)
+            else after
+        )
+        if base is None:
+            await self._sleep_or_wake(self._next_listing() - time.monotonic())
+            return False
+        found = False
+        while True:
+            self.stats.probes += 1
+            candidate = base + self.stride
+            if await self.store.stat(manifest_name(candidate)) is None:
+                return found
+            self.stats.probe_hits += 1
+            self._note(candidate)
+            base, found = candidate, True
+
+    def _note(self, step: int) -> None:
+        if self.latest is not None and step <= self.latest:
+            return
+        if self.latest is not None:
+            self.stride = step - self.latest
+        self.latest = step
+        self._wake.set()
+
+    async def _sleep_or_wake(self, seconds: float) -> None:
+        if seconds <= 0:
+            return
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self._wake.wait(), seconds)
+
+    async def _back_off(self, exc: TransientStoreError) -> None:
+        self._failures += 1
+        if isinstance(exc, RateLimitedError):
+            self.stats.rate_limited += 1
+            delay = (exc.retry_after_s or self.retry_policy.max_delay_s) + random.uniform(0, 1)
+        else:
+            self.stats.errors += 1
+            delay = self.retry_policy.backoff_s(min(self._failures, 8))
+        logger.warning("discovery store=%s backing off %.1fs: %s", self.store.url, delay, exc)
+        await asyncio.sleep(delay)
+
+    @staticmethod
+    def _jittered(seconds: float) -> float:
+        return seconds * random.uniform(0.9, 1.1)
+
+    # -- events feed ---------------------------------------------------------------------------
+
+    def _start_events(self) -> None:
+        if self.use_events and self._events_task is None:
+            self._events_task = asyncio.create_task(self._follow_feed(), name="deltasync-events")
+
+    async def _follow_feed(self) -> None:
+        cursor: str | None = None
+        while True:
+            connected_at = time.monotonic()
+            try:
+                cursor = await self._consume(cursor)
+                self._failures = 0
+                wait = self.events_min_connect_interval_s - (time.monotonic() - connected_at)
+            except TransientStoreError as exc:
+                self._feed_live = False
+                self._failures += 1
+                wait = self.retry_policy.backoff_s(min(self._failures, 8))
+                if isinstance(exc, RateLimitedError) and exc.retry_after_s is not None:
+                    self.stats.rate_limited += 1
+                    wait = exc.retry_after_s
+            except StoreError as exc:
+                self._feed_live = False
+                self.stats.events_unavailable += 1
+                logger.info(
+                    "events feed of %s unavailable, polling instead: %s", self.store.url, exc
+                )
+                wait = self.events_retry_s
+            if wait > 0:
+                await asyncio.sleep(wait)
+
+    async def _consume(self, cursor: str | None) -> str | None:
+        feed: Any = self.store.changes(cursor)  # type: ignore[attr-defined]
+        self.stats.events_connects += 1
+        try:
+            async for event in feed:
+                cursor = event.cursor or cursor
+                if event.kind == "ready":
+                    self._feed_live = True
+                    self._wake.set()
+                elif event.kind == "reset":
+                    self._listed_at = None
+                    self._wake.set()
+                elif event.kind == "changes":
+                    self.stats.events_received += 1
+                    for step in (step_of(p) for p in event.paths):
+                        if step is not None:
+                            self._note(step)
+        finally:
+            self._feed_live = False
+        return cursor
+
+
+__all__ = ["StepWatcher", "WatcherStats", "manifest_name", "step_of"]

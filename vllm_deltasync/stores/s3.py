@@ -1,0 +1,332 @@
+"""S3 and S3-compatible buckets (AWS, R2, GCS interop, MinIO, the Hub's S3 gateway): ``s3://bucket/prefix``.
+
+Built on aiobotocore. Options (``open_store(url, **store_options)``) mirror botocore's:
+``endpoint_url``, ``region_name``, ``addressing_style`` (``"path"`` for the Hub gateway and most
+self-hosted servers), ``aws_access_key_id`` / ``aws_secret_access_key`` / ``aws_session_token``,
+``profile``. Anything not given comes from the standard AWS chain and environment
+(``AWS_ENDPOINT_URL``, ``AWS_REGION``, ``AWS_PROFILE``, shared config, instance roles), read by
+botocore itself. Checksums are computed and validated only when required (the Hub gateway and
+several S3-compatible servers reject the newer default checksum headers); listing is
+ListObjectsV2 only.
+
+Writes are atomic by nature: one PUT (multipart above ``multipart_threshold``, completed in one
+call). Overwrites are refused with a conditional PUT (``If-None-Match: *``) where the server
+supports it; ``conditional_writes=False`` (or a server answering 501 to it) falls back to HEAD
+then PUT, which leaves a race between two writers of the same name (the format never writes a
+name twice: each publish attempt has a random token).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import builtins
+import contextlib
+from collections.abc import Sequence
+from typing import Any
+
+from ..errors import AlreadyExistsError, ConfigError, NotFoundError, StoreError
+from ._parts import RangedReader, parse_content_range, range_header
+from ._retry import RetryPolicy, retry
+from ._s3errors import s3_error
+from .base import ObjectInfo, Store
+from .local import check_path
+
+
+def parse_s3_url(url: str) -> tuple[str, str]:
+    """``s3://bucket/a/b`` -> ``("bucket", "a/b")``."""
+    rest = url.split("://", 1)[1] if "://" in url else url
+    bucket, _, prefix = rest.partition("/")
+    if not bucket:
+        raise ConfigError(f"bucket URL {url!r}: expected s3://<bucket>[/<prefix>]")
+    return bucket, prefix.strip("/")
+
+
+class S3Store(Store):
+    """A prefix inside one S3 bucket."""
+
+    scheme = "s3"
+
+    def __init__(
+        self,
+        bucket: str,
+        prefix: str = "",
+        *,
+        endpoint_url: str | None = None,
+        region_name: str | None = None,
+        addressing_style: str | None = None,
+        aws_access_key_id: str | None = None,
+        aws_secret_access_key: str | None = None,
+        aws_session_token: str | None = None,
+        profile: str | None = None,
+        conditional_writes: bool = True,
+        multipart_threshold: int = 64 << 20,
+        part_size: int = 16 << 20,
+        max_parallel_parts: int = 8,
+        max_pool_connections: int = 32,
+        retry_policy: RetryPolicy | None = None,
+    ) -> None:
+        super().__init__()
+        if addressing_style not in (None, "auto", "path", "virtual"):
+            raise ConfigError(
+                f"s3 store {bucket!r}: addressing_style={addressing_style!r}; use path, virtual or auto"
+            )
+        if part_size < 5 << 20 or multipart_threshold < part_size:
+            raise ConfigError(
+                f"s3 store {bucket!r}: part_size={part_size} multipart_threshold={multipart_threshold}; "
+                "S3 parts are at least 5 MiB and the threshold must be >= part_size"
+            )
+        self.bucket = bucket
+        self.prefix = prefix.strip("/")
+        self.endpoint_url = endpoint_url
+        self.region_name = region_name
+        self.addressing_style = addressing_style
+        self.__credentials = {
+            k: v
+            for k, v in {
+                "aws_access_key_id": aws_access_key_id,
+                "aws_secret_access_key": aws_secret_access_key,
+                "aws_session_token": aws_session_token,
+            }.items()
+            if v
+        }
+        self.profile = profile
+        self.conditional_writes = conditional_writes
+        self.multipart_threshold = multipart_threshold
+        self.part_size = part_size
+        self.max_parallel_parts = max_parallel_parts
+        self.max_pool_connections = max_pool_connections
+        self.retry_policy = retry_policy or RetryPolicy()
+        self._client: Any = None
+        self._stack: contextlib.AsyncExitStack | None = None
+        self._lock = asyncio.Lock()
+
+    @classmethod
+    def from_url(cls, url: str, **options: Any) -> S3Store:
+        bucket, prefix = parse_s3_url(url)
+        return cls(bucket, prefix, **options)
+
+    @classmethod
+    def hub_gateway(cls, namespace: str, bucket: str, prefix: str = "", **options: Any) -> S3Store:
+        """The Hub's S3 gateway for bucket ``namespace/bucket`` (credentials: an HF token pair)."""
+        settings = {
+            "endpoint_url": f"https://s3.hf.co/{namespace}",
+            "region_name": "us-east-1",
+            "addressing_style": "path",
+        }
+        return cls(bucket, prefix, **{**settings, **options})
+
+    @property
+    def url(self) -> str:
+        return f"s3://{self.bucket}/{self.prefix}" if self.prefix else f"s3://{self.bucket}"
+
+    def _key(self, path: str) -> str:
+        path = check_path(path)
+        return f"{self.prefix}/{path}" if self.prefix else path
+
+    def _rel(self, key: str) -> str:
+        return key[len(self.prefix) + 1 :] if self.prefix else key
+
+    async def _s3(self) -> Any:
+        async with self._lock:
+            if self._client is None:
+                from aiobotocore.config import AioConfig
+                from aiobotocore.session import AioSession
+
+                config = AioConfig(
+                    s3={"addressing_style": self.addressing_style or "auto"},
+                    request_checksum_calculation="when_required",
+                    response_checksum_validation="when_required",
+                    retries={"total_max_attempts": 1},
+                    max_pool_connections=self.max_pool_connections,
+                )
+                session = AioSession(profile=self.profile)
+                self._stack = contextlib.AsyncExitStack()
+                self._client = await self._stack.enter_async_context(
+                    session.create_client(
+                        "s3",
+                        endpoint_url=self.endpoint_url,
+                        region_name=self.region_name,
+                        config=config,
+                        **self.__credentials,
+                    )
+                )
+            return self._client
+
+    async def _call(self, op: str, what: str, method: str, **kwargs: Any) -> Any:
+        client = await self._s3()
+
+        async def once() -> Any:
+            try:
+                return await getattr(client, method)(Bucket=self.bucket, **kwargs)
+            except Exception as exc:
+                raise s3_error(exc, what) from exc
+
+        try:
+            result = await retry(
+                once,
+                what=what,
+                policy=self.retry_policy,
+                on_retry=lambda e: self.stats.count(op, "error"),
+            )
+        except NotFoundError:
+            self.stats.count(op, "not_found")
+            raise
+        except StoreError:
+            self.stats.count(op, "error")
+            raise
+        self.stats.count(op, "ok")
+        return result
+
+    # -- reads -------------------------------------------------------------------------------
+
+    async def list(self, prefix: str = "") -> builtins.list[ObjectInfo]:
+        full = (f"{self.prefix}/" if self.prefix else "") + prefix.lstrip("/")
+        found: builtins.list[ObjectInfo] = []
+        token: str | None = None
+        while True:
+            extra = {"ContinuationToken": token} if token else {}
+            page = await self._call(
+                "list", f"{self.url}: list", "list_objects_v2", Prefix=full, **extra
+            )
+            for item in page.get("Contents", []):
+                found.append(
+                    ObjectInfo(self._rel(item["Key"]), int(item["Size"]), item.get("ETag"))
+                )
+            token = page.get("NextContinuationToken") if page.get("IsTruncated") else None
+            if not token:
+                return sorted(found, key=lambda o: o.path)
+
+    async def stat(self, path: str) -> ObjectInfo | None:
+        try:
+            head = await self._call(
+                "stat", f"{self.url}/{path}", "head_object", Key=self._key(path)
+            )
+        except NotFoundError:
+            return None
+        return ObjectInfo(path, int(head["ContentLength"]), head.get("ETag"))
+
+    async def read(self, path: str, start: int = 0, end: int | None = None) -> bytes:
+        what = f"{self.url}/{path}"
+        reader = RangedReader(
+            fetch=lambda a, b, buf: self._fetch(path, a, b, buf, what),
+            what=what,
+            policy=self.retry_policy,
+            part_size=self.part_size,
+            max_parallel_parts=self.max_parallel_parts,
+            on_resume=lambda kept: self.stats.count("read", "resumed"),
+        )
+        data = await reader.read(start, end)
+        self.stats.bytes_read += len(data)
+        return data
+
+    async def _fetch(
+        self, path: str, start: int, end: int | None, buf: bytearray, what: str
+    ) -> int | None:
+        client = await self._s3()
+        try:
+            resp = await client.get_object(
+                Bucket=self.bucket, Key=self._key(path), Range=range_header(start, end)
+            )
+        except Exception as exc:
+            err = s3_error(exc, what)
+            if getattr(exc, "response", {}).get("Error", {}).get("Code") == "InvalidRange":
+                return 0
+            self.stats.count("read", "not_found" if isinstance(err, NotFoundError) else "error")
+            raise err from exc
+        self.stats.count("read", "ok")
+        try:
+            async with resp["Body"] as body:
+                async for chunk in body.iter_chunks(1 << 18):
+                    buf.extend(chunk)
+        except Exception as exc:
+            raise s3_error(exc, f"{what}: body cut after {len(buf)} bytes") from exc
+        return parse_content_range(resp.get("ContentRange"))
+
+    # -- writes ------------------------------------------------------------------------------
+
+    async def write(self, path: str, data: bytes | memoryview, *, overwrite: bool = False) -> None:
+        what = f"{self.url}/{path}"
+        payload = bytes(data)
+        if not overwrite and not self.conditional_writes and await self.stat(path) is not None:
+            raise AlreadyExistsError(f"{what}: already exists; bucket names are immutable")
+        if len(payload) >= self.multipart_threshold:
+            if not overwrite and self.conditional_writes and await self.stat(path) is not None:
+                raise AlreadyExistsError(f"{what}: already exists; bucket names are immutable")
+            await self._multipart(path, payload, what)
+        else:
+            await self._put(
+                path, payload, what, conditional=self.conditional_writes and not overwrite
+            )
+        self.stats.bytes_written += len(payload)
+
+    async def _put(self, path: str, payload: bytes, what: str, *, conditional: bool) -> None:
+        extra = {"IfNoneMatch": "*"} if conditional else {}
+        try:
+            await self._call(
+                "write", what, "put_object", Key=self._key(path), Body=payload, **extra
+            )
+        except StoreError as exc:
+            if conditional and "NotImplemented" in str(exc):
+                self.conditional_writes = (
+                    False  # the server cannot do conditional PUT: HEAD then PUT
+                )
+                await self.write(path, payload)
+                return
+            raise
+
+    async def _multipart(self, path: str, payload: bytes, what: str) -> None:
+        key = self._key(path)
+        upload = await self._call("write", what, "create_multipart_upload", Key=key)
+        upload_id = upload["UploadId"]
+        limiter = asyncio.Semaphore(self.max_parallel_parts)
+
+        async def part(number: int, offset: int) -> dict[str, Any]:
+            async with limiter:
+                body = payload[offset : offset + self.part_size]
+                done = await self._call(
+                    "write",
+                    what,
+                    "upload_part",
+                    Key=key,
+                    UploadId=upload_id,
+                    PartNumber=number,
+                    Body=body,
+                )
+                return {"PartNumber": number, "ETag": done["ETag"]}
+
+        try:
+            offsets = range(0, len(payload), self.part_size)
+            parts = await asyncio.gather(*(part(i + 1, o) for i, o in enumerate(offsets)))
+            await self._call(
+                "write",
+                what,
+                "complete_multipart_upload",
+                Key=key,
+                UploadId=upload_id,
+                MultipartUpload={"Parts": parts},
+            )
+        except BaseException:
+            with contextlib.suppress(Exception):
+                await self._call(
+                    "write", what, "abort_multipart_upload", Key=key, UploadId=upload_id
+                )
+            raise
+
+    async def delete(self, paths: Sequence[str]) -> None:
+        keys = [{"Key": self._key(p)} for p in paths]
+        for i in range(0, len(keys), 1000):
+            batch = keys[i : i + 1000]
+            await self._call(
+                "delete",
+                f"{self.url}: delete",
+                "delete_objects",
+                Delete={"Objects": batch, "Quiet": True},
+            )
+
+    async def close(self) -> None:
+        if self._stack is not None:
+            await self._stack.aclose()
+        self._client, self._stack = None, None
+
+
+__all__ = ["S3Store", "parse_s3_url"]
