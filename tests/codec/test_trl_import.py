@@ -1,0 +1,117 @@
+"""A bucket in TRL's delta-sync layout is converted and followed, bit for bit."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import trl_delta_meta, trl_file
+
+from vllm_deltasync._bridge import run_sync
+from vllm_deltasync.cli import main
+from vllm_deltasync.errors import ChainError, FormatError
+from vllm_deltasync.publisher import DeltaPublisher
+from vllm_deltasync.reader import BucketReader
+from vllm_deltasync.trl_import import TrlImporter, parse_trl_path, plan_replay
+
+SHAPES = {"model.embed_tokens.weight": (50, 16), "model.layers.0.mlp.down_proj.weight": (16, 40), "model.norm.weight": (16,)}
+
+
+class TrlTrainer:
+    """Writes steps the way TRL's delta sync does: anchors every N, absolute-value deltas."""
+
+    def __init__(self, root: Path, anchor_every: int = 4, seed: int = 0) -> None:
+        self.root, self.anchor_every = root, anchor_every
+        self.g = torch.Generator().manual_seed(seed)
+        self.w = {k: (torch.randn(s, generator=self.g) * 0.02).to(torch.bfloat16) for k, s in SHAPES.items()}
+        self.history: dict[int, dict[str, torch.Tensor]] = {}
+
+    def step(self, step: int) -> None:
+        delta: dict[str, torch.Tensor] = {}
+        for name, t in self.w.items():
+            flat = t.view(-1)
+            idx = torch.randperm(flat.numel(), generator=self.g)[: max(1, flat.numel() // 30)].sort().values
+            flat.view(torch.int16)[idx] += 1
+            delta[f"{name}.indices"] = idx.to(torch.int32)
+            delta[f"{name}.values"] = flat[idx].clone()
+        self.history[step] = {k: v.clone() for k, v in self.w.items()}
+        if step % self.anchor_every == 0:
+            self._write(f"anchors/step_{step:06d}.safetensors", {k: v.clone() for k, v in self.w.items()},
+                        {"format": "full", "model_version": str(step)})
+        else:
+            nnz = sum(t.numel() for k, t in delta.items() if k.endswith(".values"))
+            meta = trl_delta_meta(step, list(self.w), sum(t.numel() for t in self.w.values()), nnz)
+            self._write(f"deltas/step_{step:06d}.safetensors", delta, meta)
+
+    def _write(self, rel: str, tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> None:
+        path = self.root / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(trl_file(tensors, meta))
+
+
+def _read_full(url: str, step: int) -> dict[str, torch.Tensor]:
+    async def go() -> dict[str, torch.Tensor]:
+        async with BucketReader.open(url) as reader:
+            return await reader.read_full(step)
+
+    return run_sync(go())
+
+
+def _assert_same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    assert set(got) == set(want)
+    for k in want:
+        assert torch.equal(got[k].view(torch.int16), want[k].view(torch.int16)), k
+
+
+def test_cli_converts_every_step(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    trainer = TrlTrainer(tmp_path / "trl")
+    for step in range(7):
+        trainer.step(step)
+    dst = f"file://{tmp_path}/ours"
+    assert main(["import-trl", f"file://{tmp_path}/trl", dst, "--anchor-every", "3"]) == 0
+    assert "imported 7 steps (0..6)" in capsys.readouterr().out
+    for step in range(3, 7):  # retention (2 anchors) has removed steps 0-2
+        _assert_same(_read_full(dst, step), trainer.history[step])
+
+
+def test_follow_publishes_only_new_steps(tmp_path: Path) -> None:
+    trainer = TrlTrainer(tmp_path / "trl")
+    dst = f"file://{tmp_path}/ours"
+    for step in range(3):
+        trainer.step(step)
+    with DeltaPublisher(dst, codec="sparse-v2") as pub:
+        importer = TrlImporter(f"file://{tmp_path}/trl", pub)
+        assert importer.import_new() == [0, 1, 2]
+        assert importer.import_new() == []
+        for step in range(3, 6):
+            trainer.step(step)
+        assert importer.import_new() == [3, 4, 5]
+    trainer.step(6)
+    with DeltaPublisher(dst, codec="sparse-v2") as pub:  # a restarted importer replays from anchor 4
+        assert TrlImporter(f"file://{tmp_path}/trl", pub).import_new() == [6]
+    for step in (2, 5, 6):
+        _assert_same(_read_full(dst, step), trainer.history[step])
+
+
+def test_plan_starts_at_newest_usable_anchor() -> None:
+    files = [f for f in map(parse_trl_path, [
+        "deltas/step_000001.safetensors", "anchors/step_000002.safetensors",
+        "deltas/step_000002.safetensors", "deltas/step_000003.safetensors",
+        "anchors/step_000004.safetensors", "deltas/step_000005.safetensors", "README.md",
+    ]) if f is not None]
+    assert [(f.step, f.kind) for f in plan_replay(files)] == [(2, "anchor"), (3, "delta"), (4, "anchor"), (5, "delta")]
+    assert [f.step for f in plan_replay(files, after=4)] == [4, 5]
+    assert plan_replay(files, after=5) == []
+    with pytest.raises(ChainError, match="anchor"):
+        plan_replay([f for f in files if f.kind == "delta"])
+
+
+def test_foreign_delta_is_refused(tmp_path: Path) -> None:
+    trainer = TrlTrainer(tmp_path / "trl")
+    trainer.step(0)
+    bad = {"x.indices": torch.tensor([0], dtype=torch.int32), "x.values": torch.zeros(1, dtype=torch.bfloat16)}
+    (tmp_path / "trl/deltas").mkdir()
+    (tmp_path / "trl/deltas/step_000001.safetensors").write_bytes(trl_file(bad, {"format": "other"}))
+    with DeltaPublisher(f"file://{tmp_path}/ours") as pub, pytest.raises(FormatError, match="sparse_weight_patch"):
+        TrlImporter(f"file://{tmp_path}/trl", pub).import_new()
