@@ -1,0 +1,217 @@
+"""``SyncConfig``: how a rollout server follows a bucket.
+
+Built from two sources, the second winning per field:
+
+1. ``--additional-config '{"deltasync": {"url": "file:///data/bucket", "poll_interval_s": 1}}'``
+   (reaches every vLLM process as ``vllm_config.additional_config``);
+2. environment variables ``VLLM_DELTASYNC_<FIELD>`` in upper case, e.g. ``VLLM_DELTASYNC_URL``,
+   ``VLLM_DELTASYNC_POLL_INTERVAL_S`` (inherited by every process vLLM starts).
+
+Both are read by :meth:`SyncConfig.from_sources`, which takes the mappings as arguments, so
+nothing here touches ``os.environ``. The URL may carry credentials (``s3://key:secret@...``);
+``repr`` and :meth:`SyncConfig.redacted_url` never show them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any, Literal
+from urllib.parse import urlsplit, urlunsplit
+
+from .errors import ConfigError
+
+ENV_PREFIX = "VLLM_DELTASYNC_"
+ADDITIONAL_CONFIG_KEY = "deltasync"
+
+OnStart = Literal["catch_up", "wait", "anchor"]
+InFlight = Literal["continue", "drain"]
+
+
+@dataclass(frozen=True)
+class SyncConfig:
+    """Options of the engine extension. Every field has a ``VLLM_DELTASYNC_*`` variable."""
+
+    url: str = field(repr=False)
+    """Bucket URL (``file://``, ``memory://``, ``hf://buckets/...``, ``s3://...``). Required."""
+
+    poll_interval_s: float = 2.0
+    """Seconds between two looks for a newer manifest; also how often the engine core checks
+    whether all ranks have a step staged."""
+
+    download_concurrency: int = 8
+    """Data files downloaded at the same time by one rank."""
+
+    max_staged_bytes: int = 1 << 30
+    """Host bytes of decoded, translated steps waiting to be applied, per rank. One step larger
+    than this is still staged when nothing else is (alone), so a big anchor cannot block."""
+
+    on_start: OnStart = "catch_up"
+    """``catch_up``: apply the newest step as soon as it is staged (the checkpoint the engine
+    loaded is taken to be the bucket's first anchor or older). ``wait``: serve the loaded
+    checkpoint and apply only steps published after start. ``anchor``: ignore deltas until an
+    anchor has been applied (use when the loaded checkpoint is not in the bucket's history)."""
+
+    in_flight: InFlight = "continue"
+    """What running requests do at a switch. ``continue``: they keep generating on the new
+    weights from the next batch on (their output carries both versions in ``weight_versions``).
+    ``drain``: new requests are held back until running ones finish, then the step applies."""
+
+    reset_prefix_cache: bool = True
+    """Drop the prefix cache at each switch, so KV blocks computed with old weights never serve a
+    new request. ``False`` keeps them (faster, but outputs mix versions)."""
+
+    max_chain: int = 64
+    """Longest delta chain followed before jumping to the newest anchor instead."""
+
+    max_drain_wait_s: float = 60.0
+    """With ``in_flight="drain"``: longest wait for running requests before switching anyway."""
+
+    status_port: int | None = None
+    """If set, the engine core serves ``GET /deltasync/status`` (JSON) on this port (loopback
+    unless ``status_host`` says otherwise). ``0`` picks a free port (logged)."""
+
+    status_host: str = "127.0.0.1"
+    """Address the status endpoint listens on."""
+
+    debug_ring_size: int = 4096
+    """Model steps remembered per rank with the weight version they ran on (``deltasync_trace``)."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.url, str) or "://" not in self.url:
+            raise ConfigError(
+                f"deltasync url {redact_url(str(self.url))!r} is not a URL; set "
+                "VLLM_DELTASYNC_URL or additional_config.deltasync.url to e.g. file:///path/bucket"
+            )
+        _positive(self, "poll_interval_s", "download_concurrency", "max_staged_bytes",
+                  "max_chain", "debug_ring_size")
+        if self.max_drain_wait_s < 0:
+            raise ConfigError(f"deltasync max_drain_wait_s={self.max_drain_wait_s} must be >= 0")
+        if self.on_start not in ("catch_up", "wait", "anchor"):
+            raise ConfigError(
+                f"deltasync on_start={self.on_start!r}: use 'catch_up', 'wait' or 'anchor'"
+            )
+        if self.in_flight not in ("continue", "drain"):
+            raise ConfigError(f"deltasync in_flight={self.in_flight!r}: use 'continue' or 'drain'")
+        if self.status_port is not None and not 0 <= self.status_port < 65536:
+            raise ConfigError(f"deltasync status_port={self.status_port} is not a TCP port")
+
+    def __repr__(self) -> str:
+        shown = ", ".join(
+            f"{f.name}={getattr(self, f.name)!r}" for f in fields(self) if f.name != "url"
+        )
+        return f"SyncConfig(url={self.redacted_url()!r}, {shown})"
+
+    def redacted_url(self) -> str:
+        """The URL without user, password or query string (safe to log)."""
+        return redact_url(self.url)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain values (url included, unredacted): for passing between processes."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_sources(
+        cls, additional_config: Mapping[str, Any] | None, environ: Mapping[str, str]
+    ) -> SyncConfig:
+        """Merge ``additional_config["deltasync"]`` and ``VLLM_DELTASYNC_*`` (env wins)."""
+        values: dict[str, Any] = {}
+        section = (additional_config or {}).get(ADDITIONAL_CONFIG_KEY) or {}
+        if isinstance(section, str):
+            section = _json_object(section, "additional_config.deltasync")
+        if not isinstance(section, Mapping):
+            raise ConfigError("additional_config.deltasync must be a JSON object")
+        known = {f.name: f for f in fields(cls)}
+        for key, value in section.items():
+            if key not in known:
+                raise ConfigError(
+                    f"additional_config.deltasync has unknown key {key!r}; known: {sorted(known)}"
+                )
+            values[key] = _coerce(known[key], value, f"additional_config.deltasync.{key}")
+        for name, f in known.items():
+            raw = environ.get(ENV_PREFIX + name.upper())
+            if raw is not None and raw != "":
+                values[name] = _coerce(f, raw, ENV_PREFIX + name.upper())
+        for var in environ:
+            if var.startswith(ENV_PREFIX) and var[len(ENV_PREFIX):].lower() not in known:
+                raise ConfigError(
+                    f"environment variable {var} is not a deltasync option; known: "
+                    + ", ".join(ENV_PREFIX + n.upper() for n in known)
+                )
+        if "url" not in values:
+            raise ConfigError(
+                "deltasync needs a bucket URL: set VLLM_DELTASYNC_URL or "
+                "--additional-config '{\"deltasync\": {\"url\": \"file:///path/to/bucket\"}}'"
+            )
+        return cls(**values)
+
+
+def is_configured(additional_config: Mapping[str, Any] | None, environ: Mapping[str, str]) -> bool:
+    """True when a URL is given by either source (the extension then follows a bucket)."""
+    section = (additional_config or {}).get(ADDITIONAL_CONFIG_KEY) or {}
+    return bool(environ.get(ENV_PREFIX + "URL")) or (
+        isinstance(section, Mapping) and bool(section.get("url"))
+    )
+
+
+def redact_url(url: str) -> str:
+    """Drop ``user:password@`` and the query string from a URL."""
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return "<unparsable url>"
+    netloc = parts.hostname or ""
+    if parts.port:
+        netloc += f":{parts.port}"
+    return urlunsplit((parts.scheme, netloc, parts.path, "", ""))
+
+
+def _positive(cfg: SyncConfig, *names: str) -> None:
+    for name in names:
+        if getattr(cfg, name) <= 0:
+            raise ConfigError(f"deltasync {name}={getattr(cfg, name)} must be > 0")
+
+
+def _json_object(text: str, where: str) -> Mapping[str, Any]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{where} is not valid JSON: {exc}") from exc
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"{where} must be a JSON object")
+    return value
+
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off"}
+
+
+def _coerce(f: dataclasses.Field[Any], value: Any, where: str) -> Any:
+    """Convert a JSON value or an environment string to the field's type."""
+    kind = str(f.type)
+    try:
+        if value is None and "None" in kind:
+            return None
+        if kind.startswith("bool"):
+            if isinstance(value, bool):
+                return value
+            text = str(value).strip().lower()
+            if text in _TRUE | _FALSE:
+                return text in _TRUE
+            raise ValueError("expected true/false")
+        if kind.startswith("int"):
+            if isinstance(value, str) and value.strip().lower() in ("", "none"):
+                return None
+            if isinstance(value, (float, bool)):
+                raise ValueError("expected an integer")
+            return int(value)
+        if kind.startswith("float"):
+            return float(value)
+        return str(value)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"{where}={value!r} is not a valid {kind}: {exc}") from exc
+
+
+__all__ = ["ENV_PREFIX", "ConfigError", "SyncConfig", "is_configured", "redact_url"]
