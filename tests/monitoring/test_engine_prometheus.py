@@ -1,0 +1,173 @@
+"""A real vLLM server with the extension, a trainer publishing AdamW steps, a real Prometheus.
+
+One engine serves both exposure paths at once: the extension's own port (``metrics_port``) and
+vLLM's ``/metrics`` through ``PROMETHEUS_MULTIPROC_DIR``. Assertions are PromQL queries.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from conftest import DEPLOY, free_port, http_get, parse_exposition, scrape_config
+
+pytestmark = [pytest.mark.engine, pytest.mark.prometheus]
+DELTAS = 6
+
+
+def hook_missing() -> str | None:
+    """Why the engine cannot export metrics yet (None when it can)."""
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        return "vLLM is not installed"
+    from vllm_deltasync import config
+
+    if "metrics_port" not in {f.name for f in dataclasses.fields(config.SyncConfig)}:
+        return ("extension glue missing: SyncConfig has no metrics_port field, so nothing starts "
+                "SyncMetrics.start_server (see the glue section of vllm_deltasync/metrics.py)")
+    source = (Path(config.__file__).parent / "extension.py").read_text()
+    if "SyncMetrics" not in source:
+        return ("extension glue missing: extension.py never builds metrics.SyncMetrics nor calls "
+                "update(statuses) each tick (see vllm_deltasync/metrics.py)")
+    return None
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    reason = hook_missing()
+    if reason:
+        pytest.skip(reason)
+    from vllm_deltasync.toymodel import build_model
+
+    return build_model(tmp_path_factory.mktemp("model") / "llama", family="llama")
+
+
+class Trainer:
+    """Real AdamW steps of the served model (fp32 master weights), published as bf16 deltas."""
+
+    def __init__(self, model_dir: Path, url: str) -> None:
+        from vllm_deltasync.publisher import DeltaPublisher
+        from vllm_deltasync.toymodel import load_hf_model
+
+        self.model = load_hf_model(model_dir, dtype=torch.float32).train()
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=3e-4)
+        self.committed: list[Any] = []
+        self.publisher = DeltaPublisher(url, anchor_every=100, on_commit=self.committed.append)
+        self.step = 0
+        torch.manual_seed(0)
+
+    def publish(self) -> None:
+        if self.step:
+            ids = torch.randint(0, self.model.config.vocab_size, (2, 16))
+            loss = self.model(input_ids=ids, labels=ids).loss
+            self.opt.zero_grad()
+            loss.backward()
+            self.opt.step()
+        self.publisher.publish(self.step, dict(self.model.named_parameters()))
+        self.publisher.flush()
+        self.step += 1
+
+
+@pytest.fixture
+def server(tmp_path: Path, model_dir: Path) -> Iterator[dict[str, Any]]:
+    bucket = tmp_path / "bucket"
+    bucket.mkdir()
+    url = f"file://{bucket}"
+    trainer = Trainer(model_dir, url)
+    trainer.publish()  # step 0: the anchor equal to the checkpoint the engine loads
+    api_port, metrics_port = free_port(), free_port()
+    (tmp_path / "mp").mkdir()
+    env = {**os.environ, "VLLM_DELTASYNC_URL": url, "VLLM_DELTASYNC_POLL_INTERVAL_S": "0.5",
+           "VLLM_DELTASYNC_METRICS_PORT": str(metrics_port),
+           "PROMETHEUS_MULTIPROC_DIR": str(tmp_path / "mp"), "VLLM_CPU_KVCACHE_SPACE": "1",
+           "VLLM_CACHE_ROOT": str(tmp_path / "cache"), "VLLM_RPC_BASE_PATH": str(tmp_path)}
+    log = open(tmp_path / "server.log", "wb")  # noqa: SIM115 - closed below
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "vllm.entrypoints.launchers.api_server.entry",
+         "--model", str(model_dir), "--port", str(api_port), "--host", "127.0.0.1",
+         "--worker-extension-cls", "vllm_deltasync.DeltaSyncExtension", "--enforce-eager",
+         "--max-model-len", "256", "--max-num-seqs", "4", "--dtype", "bfloat16"],
+        env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                pytest.fail(f"server exited: {(tmp_path / 'server.log').read_text()[-4000:]}")
+            try:
+                if http_get(f"http://127.0.0.1:{api_port}/health", timeout=1)[0] == 200:
+                    break
+            except OSError:
+                pass
+            time.sleep(1)
+        else:
+            pytest.fail(f"server not up in 240 s: {(tmp_path / 'server.log').read_text()[-4000:]}")
+        yield {"trainer": trainer, "api": f"http://127.0.0.1:{api_port}", "model": str(model_dir),
+               "metrics": f"127.0.0.1:{metrics_port}", "log": tmp_path / "server.log"}
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()
+        trainer.publisher.close()
+
+
+def generate(api: str, model: str) -> None:
+    """One short completion, so batches keep flowing while steps arrive."""
+    import urllib.request
+
+    body = json.dumps({"model": model, "prompt": "the policy", "max_tokens": 4}).encode()
+    req = urllib.request.Request(api + "/v1/completions", body, {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as resp:
+        assert resp.status == 200 and json.loads(resp.read())["choices"]
+
+
+def test_engine_metrics_follow_published_steps(server: dict[str, Any], prometheus_factory: Any) -> None:
+    prom = prometheus_factory(scrape_config([server["metrics"]]))
+    trainer = server["trainer"]
+    prom.wait_for("count(deltasync_applied_step)", lambda v: v == 1, timeout=30)
+    for _ in range(DELTAS):
+        trainer.publish()
+        generate(server["api"], server["model"])
+        time.sleep(0.5)
+    last = trainer.step - 1
+    # staleness returns to zero once publishing stops, and was above zero meanwhile
+    prom.wait_for("max(deltasync_steps_behind)", lambda v: v == 0, timeout=60)
+    assert prom.value("min(deltasync_applied_step)") == last
+    assert prom.value("max(deltasync_newest_step)") == last
+    assert prom.value("max_over_time(max(deltasync_newest_step)[5m:1s])") == last
+    # every delta byte the trainer published was downloaded exactly once (TP=1: one rank)
+    published = sum(m.totals.bytes for m in trainer.committed if m.kind == "delta")
+    assert published > 0
+    prom.wait_for('sum(deltasync_downloaded_bytes_total{kind="delta"})',
+                  lambda v: v == published, timeout=10)
+    assert prom.value("sum(deltasync_applied_steps_total)") >= DELTAS
+    assert prom.value("sum(deltasync_pause_duration_seconds_count)") >= 1
+    assert prom.value("max(deltasync_failing)") == 0
+    seconds = prom.value("max(deltasync_newest_publish_timestamp_seconds"
+                         " - deltasync_applied_publish_timestamp_seconds)")
+    assert seconds == 0
+    assert http_get(f"http://{server['metrics']}/synced")[0] == 200
+    # the same series reach vLLM's own /metrics through PROMETHEUS_MULTIPROC_DIR
+    code, body = http_get(f"{server['api']}/metrics")
+    assert code == 200
+    values = parse_exposition(body.decode())
+    assert values[("deltasync_applied_step", (("rank", "0"),))] == last
+    # and the dashboard's queries run without error on the engine's series
+    dash = json.loads((DEPLOY / "grafana" / "dashboards" / "vllm-deltasync.json").read_text())
+    for panel in dash["panels"]:
+        for target in panel["targets"]:
+            expr = target["expr"].replace("$__rate_interval", "2m").replace('"$instance"', '".*"')
+            assert prom.query(expr)["status"] == "success", expr
