@@ -1,0 +1,75 @@
+"""``vllm-deltasync status`` against real metrics servers on loopback."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+from collections.abc import Iterator
+
+import pytest
+from conftest import free_port
+
+from vllm_deltasync import cli, metrics
+from vllm_deltasync.errors import ConfigError
+from vllm_deltasync.status_cli import metrics_url
+
+
+@pytest.fixture
+def replica() -> Iterator[tuple[metrics.SyncMetrics, str]]:
+    m = metrics.SyncMetrics(bucket_url="file:///b", format_version=1)
+    server = metrics.MetricsServer(m, port=0, addr="127.0.0.1")
+    yield m, f"127.0.0.1:{server.port}"
+    server.close()
+
+
+def run(*argv: str) -> tuple[int, str]:
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = cli.main(["status", *argv])
+    return code, out.getvalue()
+
+
+def rank(r: int, applied: int | None, newest: int, error: str | None = None) -> dict[str, object]:
+    return {"rank": r, "applied_step": applied, "newest_step": newest, "last_error": error,
+            "applied_published_at": 100.0 + (applied or 0), "newest_published_at": 100.0 + newest}
+
+
+def test_one_line_per_replica_worst_rank_shown(
+        replica: tuple[metrics.SyncMetrics, str]) -> None:
+    m, address = replica
+    m.update([rank(0, 9, 9), rank(1, 7, 9)])
+    code, out = run(address, f"http://{address}/metrics")
+    lines = out.splitlines()
+    assert len(lines) == 2 and code == 0
+    assert lines[0] == (f"http://{address}/metrics  applied=7 newest=9 behind=2 lag=2.0s "
+                        "ranks=2 error=-")
+    assert run(address, "--max-steps-behind", "1")[0] == 3
+
+
+def test_failing_rank_and_json(replica: tuple[metrics.SyncMetrics, str]) -> None:
+    m, address = replica
+    m.update([rank(0, 3, 4), rank(1, 3, 4, "IntegrityError: step 4: data file is corrupt")])
+    code, out = run(address)
+    assert code == 3 and out.rstrip().endswith("error=IntegrityError@rank1")
+    code, out = run(address, "--json")
+    [row] = json.loads(out)
+    assert row["applied_step"] == 3 and row["steps_behind"] == 1 and row["ranks"] == 2
+    assert row["error"] == "IntegrityError@rank1" and row["unreachable"] is None
+
+
+def test_unreachable_and_foreign_endpoints(replica: tuple[metrics.SyncMetrics, str]) -> None:
+    _, address = replica  # nothing gathered yet: no per-rank series
+    dead = f"127.0.0.1:{free_port()}"
+    code, out = run(address, dead)
+    first, second = out.splitlines()
+    assert code == 1
+    assert first.endswith("unreachable: no deltasync metrics at this URL")
+    assert second.startswith(f"http://{dead}/metrics  unreachable:")
+
+
+def test_url_forms() -> None:
+    assert metrics_url("host:9464") == "http://host:9464/metrics"
+    assert metrics_url("https://h/custom/path") == "https://h/custom/path"
+    with pytest.raises(ConfigError, match="not an http"):
+        metrics_url("s3://bucket/x")
