@@ -1,29 +1,36 @@
-"""``sparse-v2``: compact deltas, about 1 byte per changed element instead of 6.
+"""``sparse-v2``: compact deltas, 1-1.6 bytes per changed element instead of 6.
 
-One chunk is one flat ``uint8`` tensor (role ``data``) plus a small JSON ``meta``:
+Layout of one chunk of ``n`` changed elements (a *patched frame of reference*: fixed-width
+fields for the common case, short exception lists for the rest). ``meta["first"]`` is the
+chunk's first flat index; ``gap[0] = 0`` and ``gap[i] = indices[i] - indices[i-1]``.
 
-* **positions** as gaps: ``gap[0] = 0`` (the chunk's first index is ``meta["first"]``) and
-  ``gap[i] = indices[i] - indices[i - 1]``, written as ``meta["gap_bytes"]`` little-endian
-  *byte planes* (all low bytes, then all second bytes, ...; as few planes as the largest gap
-  needs);
-* **values** (``meta["values"]``):
+=============  ============================  ==============================================
+role           dtype, length                 content
+=============  ============================  ==============================================
+``gaps``       uint8 / int16 / int32, n      ``gap mod 2**(8*meta["gap_bytes"])`` (low bytes)
+``gap_pos``    int32, m                      positions ``i`` whose gap did not fit ...
+``gap_hi``     int64, m                      ... and ``gap[i] >> (8 * gap_bytes)``
+``values``     see ``meta["values"]``        the values' fixed-width fields
+``value_pos``  int32, k                      positions whose value did not fit the field ...
+``value_exc``  int16, k                      ... and their int16 bit-pattern difference
+=============  ============================  ==============================================
 
-  - ``"diff"``: the exact difference of bf16 bit patterns, ``(new_bits - old_bits) mod 2**16``
-    as int16, zigzag-mapped to uint16 (``0, -1, 1, -2`` -> ``0, 1, 2, 3``) and written as
-    ``meta["value_bytes"]`` (1 or 2) byte planes. Lossless, and most differences are +-1, so
-    the planes are highly compressible; the receiver must hold exactly the base version.
-  - ``"raw"`` (when no base values are given): the bf16 bit patterns in 2 byte planes
-    (mantissa byte, then sign/exponent byte).
+``meta["values"]``:
 
-* **compression** (``meta["compression"]``): ``"zstd"`` (one zstd frame of all planes; needs the
-  ``codec`` extra, ``zstandard``) or ``"none"`` (the planes as they are), chosen at encode
-  time: zstd when installed. ``meta["raw_bytes"]`` is the plane bytes' length.
+* ``"diff4"`` / ``"diff8"``: the exact difference of bf16 bit patterns
+  ``d = (new_bits - old_bits) mod 2**16`` (as int16), zigzag-mapped (``0, -1, 1, -2`` -> ``0, 1,
+  2, 3``) into 4-bit fields (two per byte, element ``2j`` in the low nibble) or 8-bit fields
+  (uint8); codes that do not fit are exceptions (field 0). Lossless; needs the exact base.
+* ``"diff16"``: int16 differences as they are (``values`` is int16, no exceptions).
+* ``"raw"`` (no base values given): ``values`` is the bf16 new values.
 
-Splitting bytes into planes puts each byte position's distribution in its own run, so zstd's
-Huffman stage codes the near-uniform low gap byte at ~its entropy and the nearly constant high
-planes at almost nothing. docs/codec.md has the measurements behind this layout.
-Decoding is vectorized torch (no Python loop over elements) and bit-exact, including NaN
-payloads, infinities and ``-0.0``.
+Exception roles are present only when non-empty (``meta["gap_exceptions"]``,
+``meta["value_exceptions"]`` count them). Widths are chosen per chunk by exact size.
+
+``meta["compression"]``: ``"none"`` (``sparse-v2``: every role is a plain tensor, decodable
+with a few torch ops on any device, CPU or GPU) or ``"zstd"`` (``sparse-v2-zstd``: role ``data``
+is one zstd frame of the roles' bytes in the order of ``meta["roles"]`` (name, dtype, length);
+needs the ``codec`` extra). docs/codec.md has the measurements behind this layout.
 """
 
 from __future__ import annotations
@@ -31,128 +38,209 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+import numpy as np
 import torch
 
 from .codec import Codec, register_codec
 from .errors import ConfigError, FormatError
 
-ZSTD_LEVEL = 1
-"""Level 1: the same size as level 3 to within 1% on real deltas, and faster to write."""
-
-_MAX_GAP_BYTES = 8
-
-
-def _zstd() -> Any:
-    try:
-        import zstandard
-    except ImportError:
-        return None
-    return zstandard
-
-
-def _plane_count(max_value: int) -> int:
-    return max(1, (int(max_value).bit_length() + 7) // 8)
-
-
-def _to_planes(values: torch.Tensor, nbytes: int) -> torch.Tensor:
-    """int64 ``values`` (non-negative, < 2**(8*nbytes)) -> ``nbytes`` byte planes, flat uint8."""
-    shifts = torch.arange(0, 8 * nbytes, 8, dtype=torch.int64)
-    planes = (values.unsqueeze(0) >> shifts.unsqueeze(1)) & 0xFF
-    return planes.to(torch.uint8).reshape(-1)
-
-
-def _from_planes(planes: torch.Tensor, nbytes: int, count: int) -> torch.Tensor:
-    """Inverse of :func:`_to_planes`: ``nbytes * count`` uint8 -> int64 values."""
-    rows = planes.view(nbytes, count)
-    out = rows[0].to(torch.int64)
-    for b in range(1, nbytes):
-        out |= rows[b].to(torch.int64) << (8 * b)
-    return out
-
-
-def _int16_from_planes(planes: torch.Tensor, nbytes: int, count: int) -> torch.Tensor:
-    """1 or 2 byte planes (low, high) -> int16 bit patterns."""
-    if nbytes == 1:
-        return planes.to(torch.int16)
-    rows = planes.view(2, count)
-    return rows[0].to(torch.int16) | (rows[1].to(torch.int16) << 8)
+ZSTD_LEVEL = 3
+_FIELD_DTYPES = {8: torch.uint8, 16: torch.int16}
+_DTYPES = {str(d).removeprefix("torch."): d for d in (torch.uint8, torch.int16, torch.int32, torch.int64, torch.bfloat16)}
 
 
 def _zigzag(diff: torch.Tensor) -> torch.Tensor:
-    """int16 -> int64 in [0, 65535]: 0, -1, 1, -2, ... -> 0, 1, 2, 3, ..."""
+    """int16 -> int32 codes in [0, 65535]: 0, -1, 1, -2, ... -> 0, 1, 2, 3, ..."""
     d = diff.to(torch.int32)
-    return ((d << 1) ^ (d >> 31)).to(torch.int64) & 0xFFFF
+    return ((d << 1) ^ (d >> 31)) & 0xFFFF
 
 
-def _unzigzag(z: torch.Tensor) -> torch.Tensor:
-    """Inverse of :func:`_zigzag` on int16 bit patterns of the uint16 zigzag codes."""
-    return ((z >> 1) & 0x7FFF) ^ -(z & 1)
+_LUT8 = ((lambda z: (z >> 1) ^ -(z & 1))(torch.arange(256, dtype=torch.int32))).to(torch.int16)
+"""uint8 zigzag code -> int16 difference."""
+_LUT4x2 = torch.stack([_LUT8[torch.arange(256) & 15], _LUT8[torch.arange(256) >> 4]], dim=1)
+"""byte of two 4-bit codes (low nibble first) -> their two int16 differences."""
+
+
+def _overflow_dtype(values: torch.Tensor) -> torch.dtype:
+    top = int(values.max()) if values.numel() else 0
+    return torch.int16 if top < 2**15 else torch.int32 if top < 2**31 else torch.int64
+
+
+def _gap_width(gaps: torch.Tensor) -> int:
+    """8 or 16 bits, whichever gives fewer bytes (the escape list counted at 2 bytes)."""
+    def size(bits: int) -> int:
+        return bits // 8 * gaps.numel() + 2 * int((gaps >= (1 << bits) - 1).sum())
+    return 8 if size(8) <= size(16) else 16
+
+
+def _value_width(codes: torch.Tensor) -> int:
+    n = codes.numel()
+    sizes = {4: (n + 1) // 2 + 2 * int((codes >= 15).sum()), 8: n + 2 * int((codes >= 255).sum()), 16: 2 * n}
+    return min(sizes, key=lambda w: (sizes[w], w))
+
+
+def _encode_gaps(idx: torch.Tensor, roles: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
+    gaps = torch.diff(idx, prepend=idx[:1])
+    bits = _gap_width(gaps)
+    escape = (1 << bits) - 1
+    fields = gaps.clamp(max=escape)
+    if bits == 16:
+        fields = torch.where(fields >= 1 << 15, fields - (1 << 16), fields)
+    roles["gaps"] = fields.to(_FIELD_DTYPES[bits])
+    over = gaps[gaps >= escape] - escape
+    meta["gap_bits"], meta["gap_escapes"] = bits, over.numel()
+    if over.numel():
+        roles["gap_overflow"] = over.to(_overflow_dtype(over))
+
+
+def _encode_values(new: torch.Tensor, old: torch.Tensor | None, roles: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
+    if old is None:
+        roles["values"], meta["values"], meta["value_escapes"] = new, "raw", 0
+        return
+    diff = new.view(torch.int16) - old.contiguous().view(torch.int16)
+    codes = _zigzag(diff)
+    width = _value_width(codes)
+    meta["values"] = f"diff{width}"
+    if width == 16:
+        roles["values"], meta["value_escapes"] = diff, 0
+        return
+    escape = (1 << width) - 1
+    fields = codes.clamp(max=escape).to(torch.uint8)
+    if width == 4:
+        if fields.numel() % 2:
+            fields = torch.cat([fields, fields.new_zeros(1)])
+        pairs = fields.view(-1, 2)
+        fields = pairs[:, 0] | (pairs[:, 1] << 4)
+    over = diff[codes >= escape]
+    roles["values"], meta["value_escapes"] = fields, over.numel()
+    if over.numel():
+        roles["value_overflow"] = over
+
+
+def _widen(fields: torch.Tensor, unsigned_bits: int) -> torch.Tensor:
+    """Fields -> int64, read as unsigned ``unsigned_bits``-bit numbers."""
+    if fields.device.type == "cpu":  # numpy's kernels are 2-3x faster than torch's here
+        arr = fields.numpy().view(np.uint16) if unsigned_bits == 16 else fields.numpy()
+        return torch.from_numpy(arr.astype(np.int64))
+    wide = fields.to(torch.int64)
+    return wide & 0xFFFF if unsigned_bits == 16 else wide
+
+
+def _positions_of(t: torch.Tensor, value: int) -> torch.Tensor:
+    """int64 positions where ``t == value``."""
+    if t.device.type == "cpu":
+        return torch.from_numpy(np.flatnonzero(t.numpy() == value))
+    return torch.nonzero(t == value).squeeze(1)
+
+
+def _lookup(table: torch.Tensor, fields: torch.Tensor) -> torch.Tensor:
+    """``table[fields]`` for uint8 ``fields``."""
+    if fields.device.type == "cpu":
+        return torch.from_numpy(np.take(table.numpy(), fields.numpy(), axis=0))
+    return table.to(fields.device).index_select(0, fields.to(torch.int64))
+
+
+def _decode_gaps(roles: Mapping[str, torch.Tensor], meta: Mapping[str, Any], count: int) -> torch.Tensor:
+    bits = int(meta["gap_bits"])
+    if bits not in _FIELD_DTYPES:
+        raise FormatError(f"sparse-v2 chunk meta: gap_bits={bits} is not 8 or 16")
+    fields = _role(roles, "gaps", _FIELD_DTYPES[bits], count)
+    gaps = _widen(fields, bits)
+    m = int(meta["gap_escapes"])
+    if m:
+        over = _overflow(roles, "gap_overflow", m, (torch.int16, torch.int32, torch.int64))
+        where = _positions_of(fields, 255 if bits == 8 else -1)
+        if where.numel() != m:
+            raise FormatError(f"sparse-v2: {where.numel()} escaped gaps, meta says {m}")
+        gaps.index_add_(0, where.to(gaps.device), over.to(torch.int64))
+    gaps[0] = int(meta["first"])  # gap[0] is 0 by construction
+    if gaps.device.type == "cpu":
+        np.cumsum(gaps.numpy(), out=gaps.numpy())
+        return gaps
+    return torch.cumsum(gaps, 0, out=gaps)
+
+
+def _decode_values(roles: Mapping[str, torch.Tensor], meta: Mapping[str, Any], count: int) -> tuple[torch.Tensor, bool]:
+    mode = meta["values"]
+    if mode == "raw":
+        return _role(roles, "values", torch.bfloat16, count), False
+    if mode == "diff16":
+        return _role(roles, "values", torch.int16, count), True
+    if mode == "diff8":
+        values = _lookup(_LUT8, _role(roles, "values", torch.uint8, count))
+        escaped = int(_LUT8[255])
+    elif mode == "diff4":
+        values = _lookup(_LUT4x2, _role(roles, "values", torch.uint8, (count + 1) // 2)).view(-1)[:count]
+        escaped = int(_LUT8[15])
+    else:
+        raise FormatError(f"sparse-v2 chunk meta: values={mode!r} is unknown")
+    k = int(meta["value_escapes"])
+    if k:  # an escape code decodes to the one difference it stands for: find those
+        where = _positions_of(values, escaped)
+        if where.numel() != k:
+            raise FormatError(f"sparse-v2: {where.numel()} escaped values, meta says {k}")
+        values.index_copy_(0, where.to(values.device), _overflow(roles, "value_overflow", k, (torch.int16,)))
+    return values, True
+
+
+def _overflow(roles: Mapping[str, torch.Tensor], role: str, m: int, dtypes: tuple[torch.dtype, ...]) -> torch.Tensor:
+    t = roles.get(role)
+    if t is None or t.dtype not in dtypes or t.dim() != 1 or t.numel() != m:
+        raise FormatError(f"role {role!r} is missing or not {m} elements of {dtypes}")
+    return t
+
+
+def _role(roles: Mapping[str, torch.Tensor], role: str, dtype: torch.dtype, count: int) -> torch.Tensor:
+    t = roles.get(role)
+    if t is None:
+        raise FormatError(f"role {role!r} is missing")
+    if t.dtype != dtype or t.dim() != 1 or t.numel() != count:
+        raise FormatError(f"role {role!r} is {t.dtype} {tuple(t.shape)}, expected {dtype} ({count},)")
+    return t
 
 
 class SparseV2Codec(Codec):
-    """Gaps and bit-pattern differences in byte planes, zstd-compressed when available."""
+    """Gaps and bit-pattern differences as patched fixed-width fields; zstd optional."""
 
-    name = "sparse-v2"
     relative = True
     max_bytes_per_element = 6
     """Sizes chunks like sparse-v1; encoded chunks are 4-6x smaller than this bound."""
 
-    def __init__(self, *, compression: str | None = None, level: int = ZSTD_LEVEL) -> None:
-        """``compression``: ``"zstd"``, ``"none"`` or None (zstd when installed)."""
-        if compression not in (None, "zstd", "none"):
+    def __init__(self, *, compression: str = "none", level: int = ZSTD_LEVEL) -> None:
+        if compression not in ("zstd", "none"):
             raise ConfigError(f"sparse-v2: compression {compression!r} is not 'zstd' or 'none'")
-        if compression == "zstd" and _zstd() is None:
-            raise ConfigError("sparse-v2: zstd compression needs `pip install vllm-deltasync[codec]`")
-        self.compression = compression
-        self.level = level
+        self.name = "sparse-v2" if compression == "none" else "sparse-v2-zstd"
+        self.compression, self.level = compression, level
 
     def encode(
-        self,
-        indices: torch.Tensor | None,
-        new_values: torch.Tensor,
-        old_values: torch.Tensor | None,
+        self, indices: torch.Tensor | None, new_values: torch.Tensor, old_values: torch.Tensor | None
     ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-        idx, values = _check_input(indices, new_values, old_values)
-        count = idx.numel()
-        meta: dict[str, Any] = {"first": int(idx[0]) if count else 0}
-        gaps = torch.diff(idx, prepend=idx[:1]) if count else idx
-        meta["gap_bytes"] = _plane_count(int(gaps.max()) if count else 0)
-        if old_values is None:
-            meta["values"], meta["value_bytes"] = "raw", 2
-            coded = values.view(torch.int16).to(torch.int64) & 0xFFFF
-        else:
-            diff = values.view(torch.int16) - old_values.contiguous().view(torch.int16)
-            coded = _zigzag(diff)
-            meta["values"] = "diff"
-            meta["value_bytes"] = _plane_count(int(coded.max()) if count else 0)
-        raw = torch.cat([_to_planes(gaps, meta["gap_bytes"]), _to_planes(coded, meta["value_bytes"])])
-        meta["raw_bytes"] = raw.numel()
-        data, meta["compression"] = self._compress(raw)
-        return {"data": data}, meta
-
-    def _compress(self, raw: torch.Tensor) -> tuple[torch.Tensor, str]:
-        zstandard = _zstd() if self.compression != "none" else None
-        if zstandard is None or raw.numel() == 0:
-            return raw, "none"
-        frame = zstandard.ZstdCompressor(level=self.level).compress(raw.numpy())
-        return torch.frombuffer(bytearray(frame), dtype=torch.uint8), "zstd"
+        idx, new = _check_input(indices, new_values, old_values)
+        roles: dict[str, torch.Tensor] = {}
+        meta: dict[str, Any] = {"first": int(idx[0]) if idx.numel() else 0}
+        _encode_gaps(idx, roles, meta)
+        _encode_values(new, old_values, roles, meta)
+        meta["compression"] = "none"
+        if self.compression == "zstd" and idx.numel():
+            roles, meta = _zstd_pack(roles, meta, self.level)
+        return roles, meta
 
     def decode(
         self, tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any], count: int
     ) -> tuple[torch.Tensor | None, torch.Tensor, bool]:
-        gap_bytes, value_bytes, mode, first = _check_meta(meta)
-        raw = _decompress(tensors, meta, count * (gap_bytes + value_bytes))
-        if count == 0:
-            empty = torch.empty(0, dtype=torch.int64)
-            return empty, torch.empty(0, dtype=torch.int16 if mode == "diff" else torch.bfloat16), mode == "diff"
-        split = count * gap_bytes
-        indices = _from_planes(raw[:split], gap_bytes, count)
-        indices[0] = first  # gap[0] is 0 by construction
-        torch.cumsum(indices, 0, out=indices)
-        coded = _int16_from_planes(raw[split:], value_bytes, count)
-        if mode == "diff":
-            return indices, _unzigzag(coded), True
-        return indices, coded.view(torch.bfloat16), False
+        try:
+            if meta.get("compression") == "zstd":
+                tensors = _zstd_unpack(tensors, meta)
+            elif meta.get("compression") != "none":
+                raise FormatError(f"sparse-v2 chunk meta: compression {meta.get('compression')!r} is unknown")
+            if count == 0:
+                dtype = torch.bfloat16 if meta["values"] == "raw" else torch.int16
+                return torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=dtype), meta["values"] != "raw"
+            indices = _decode_gaps(tensors, meta, count)
+            values, relative = _decode_values(tensors, meta, count)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise FormatError(f"sparse-v2 chunk meta is incomplete or malformed ({exc!r})") from None
+        return indices, values, relative
 
 
 def _check_input(
@@ -165,15 +253,12 @@ def _check_input(
             f"sparse-v2: indices {tuple(indices.shape)} and values {tuple(new_values.shape)} "
             "must be 1-D of equal length"
         )
-    if new_values.dtype != torch.bfloat16:
-        raise FormatError(f"sparse-v2: values are {new_values.dtype}, expected torch.bfloat16")
-    if old_values is not None and (
-        old_values.dtype != torch.bfloat16 or old_values.shape != new_values.shape
+    if indices.numel() >= 2**31:
+        raise FormatError("sparse-v2: a chunk holds at most 2**31 - 1 elements; use smaller files")
+    if new_values.dtype != torch.bfloat16 or (
+        old_values is not None and (old_values.dtype != torch.bfloat16 or old_values.shape != new_values.shape)
     ):
-        raise FormatError(
-            f"sparse-v2: base values are {old_values.dtype} {tuple(old_values.shape)}, "
-            f"expected torch.bfloat16 {tuple(new_values.shape)}"
-        )
+        raise FormatError("sparse-v2: new and base values must be bf16 1-D tensors of equal length")
     idx = indices.to(torch.int64).contiguous()
     if idx.numel() and int(idx[0]) < 0:
         raise FormatError("sparse-v2: indices must be non-negative")
@@ -182,54 +267,55 @@ def _check_input(
     return idx, new_values.contiguous()
 
 
-def _check_meta(meta: Mapping[str, Any]) -> tuple[int, int, str, int]:
+def _zstd() -> Any:
     try:
-        gap_bytes, value_bytes = int(meta["gap_bytes"]), int(meta["value_bytes"])
-        mode, first = str(meta["values"]), int(meta["first"])
-    except (KeyError, TypeError, ValueError) as exc:
-        raise FormatError(f"sparse-v2 chunk meta is incomplete or malformed ({exc!r})") from None
-    if not 1 <= gap_bytes <= _MAX_GAP_BYTES or value_bytes not in (1, 2) or first < 0:
-        raise FormatError(
-            f"sparse-v2 chunk meta is out of range: gap_bytes={gap_bytes}, "
-            f"value_bytes={value_bytes}, first={first}"
-        )
-    if mode not in ("diff", "raw") or (mode == "raw" and value_bytes != 2):
-        raise FormatError(f"sparse-v2 chunk meta: values={mode!r} with value_bytes={value_bytes}")
-    return gap_bytes, value_bytes, mode, first
+        import zstandard
+    except ImportError:
+        raise ConfigError("sparse-v2-zstd needs zstandard: `pip install vllm-deltasync[codec]`") from None
+    return zstandard
 
 
-def _decompress(tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any], size: int) -> torch.Tensor:
-    data = tensors.get("data")
-    if data is None:
-        raise FormatError("role 'data' is missing")
-    if data.dtype != torch.uint8 or data.dim() != 1:
-        raise FormatError(f"role 'data' is {data.dtype} {tuple(data.shape)}, expected uint8 1-D")
-    compression = meta.get("compression")
-    if compression == "none" or size == 0:
-        raw = data
-    elif compression == "zstd":
-        raw = _zstd_decompress(data, size)
-    else:
-        raise FormatError(f"sparse-v2 chunk meta: compression {compression!r} is unknown")
-    if raw.numel() != size:
-        raise FormatError(f"sparse-v2: {raw.numel()} plane bytes, expected {size}")
-    return raw
+def _zstd_pack(roles: dict[str, torch.Tensor], meta: dict[str, Any], level: int) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """All roles' bytes, widest dtype first (so every role stays aligned), in one zstd frame."""
+    order = sorted(roles, key=lambda r: -roles[r].element_size())
+    raw = b"".join(roles[r].contiguous().view(torch.uint8).numpy().tobytes() for r in order)
+    frame = _zstd().ZstdCompressor(level=level).compress(raw)
+    layout = [[r, _dtype_name(roles[r].dtype), roles[r].numel()] for r in order]
+    meta = {**meta, "compression": "zstd", "roles": layout, "raw_bytes": len(raw)}
+    return {"data": torch.frombuffer(bytearray(frame), dtype=torch.uint8)}, meta
 
 
-def _zstd_decompress(data: torch.Tensor, size: int) -> torch.Tensor:
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _zstd_unpack(tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any]) -> dict[str, torch.Tensor]:
     zstandard = _zstd()
-    if zstandard is None:
-        raise ConfigError(
-            "this bucket's deltas are zstd-compressed (sparse-v2); install the codec extra: "
-            "`pip install vllm-deltasync[codec]`"
-        )
+    data = tensors.get("data")
+    if data is None or data.dtype != torch.uint8 or data.dim() != 1:
+        raise FormatError("sparse-v2-zstd: role 'data' (uint8, 1-D) is missing or malformed")
+    size = int(meta["raw_bytes"])
     try:
-        out = zstandard.ZstdDecompressor().decompress(data.cpu().numpy(), max_output_size=size)
+        raw = zstandard.ZstdDecompressor().decompress(data.cpu().numpy(), max_output_size=size)
     except zstandard.ZstdError as exc:
-        raise FormatError(f"sparse-v2: zstd frame is corrupt ({exc})") from exc
-    return torch.frombuffer(bytearray(out), dtype=torch.uint8) if out else torch.empty(0, dtype=torch.uint8)
+        raise FormatError(f"sparse-v2-zstd: the zstd frame is corrupt ({exc})") from exc
+    if len(raw) != size:
+        raise FormatError(f"sparse-v2-zstd: {len(raw)} bytes after decompression, expected {size}")
+    buf = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+    out, offset = {}, 0
+    for name, dtype_name, numel in meta["roles"]:
+        dtype = _DTYPES.get(dtype_name)
+        if dtype is None:
+            raise FormatError(f"sparse-v2-zstd: role {name!r} has unknown dtype {dtype_name!r}")
+        nbytes = int(numel) * dtype.itemsize
+        if offset + nbytes > size:
+            raise FormatError(f"sparse-v2-zstd: role {name!r} runs past the frame's {size} bytes")
+        out[str(name)] = buf[offset : offset + nbytes].view(dtype)
+        offset += nbytes
+    return out
 
 
 register_codec(SparseV2Codec())
+register_codec(SparseV2Codec(compression="zstd"))
 
 __all__ = ["ZSTD_LEVEL", "SparseV2Codec"]
