@@ -1,0 +1,152 @@
+"""Fixtures for the shard-map tests: real vLLM model classes at any TP rank, without an engine.
+
+vLLM's layers read their rank from ``get_tp_group().world_size / .rank_in_group``. We start a
+single-process gloo world (``init_distributed_environment`` + ``initialize_model_parallel``),
+then set those two attributes of the TP group to the rank being simulated while a model is
+constructed: test scaffolding patching vLLM, never our code. Construction and ``load_weights``
+need no collective, so every rank of TP = 1, 2, 4, 8 can be built in this one process.
+
+vLLM is imported only inside fixtures, so the GPU test module (torch + safetensors only) can
+share this directory on machines without vLLM.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import torch
+
+# name -> (transformers config class, config kwargs). Shapes chosen so that:
+#  llama_gqa:  8 heads / 4 KV heads, vocab 128 (divides every TP; KV replicated at TP=8)
+#  qwen2_bias: QKV bias, 2 KV heads (replicated at TP=4, 8), vocab 100 (padded at TP>1)
+#  llama_tied: tied embeddings, 1 KV head (replicated at every TP>1), vocab 100
+MODELS: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama_gqa": ("LlamaConfig", dict(vocab_size=128, num_key_value_heads=4)),
+    "qwen2_bias": ("Qwen2Config", dict(vocab_size=100, num_key_value_heads=2)),
+    "llama_tied": (
+        "LlamaConfig",
+        dict(vocab_size=100, num_key_value_heads=1, tie_word_embeddings=True),
+    ),
+}
+COMMON = dict(
+    hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=8,
+    max_position_embeddings=128, torch_dtype="bfloat16",
+)
+VLLM_CLASSES = {
+    "LlamaConfig": ("vllm.model_executor.models.llama", "LlamaForCausalLM"),
+    "Qwen2Config": ("vllm.model_executor.models.qwen2", "Qwen2ForCausalLM"),
+}
+
+
+@dataclass
+class TinyModel:
+    kind: str
+    hf_config: Any
+    vllm_config: Any
+    vllm_cls: type
+
+    def checkpoint_params(self) -> dict[str, tuple[tuple[int, ...], str]]:
+        """Names and shapes of the Hugging Face checkpoint, as ``save_pretrained`` writes it."""
+        import transformers
+
+        with torch.device("meta"):
+            hf = transformers.AutoModelForCausalLM.from_config(self.hf_config)
+        names = {n: (tuple(p.shape), "bfloat16") for n, p in hf.state_dict().items()}
+        if self.hf_config.tie_word_embeddings:
+            names.pop("lm_head.weight")
+        return names
+
+
+class TPWorld:
+    """Builds vLLM models as TP rank ``rank`` of ``size`` inside one process."""
+
+    def __init__(self, tmp: Any) -> None:
+        self.tmp = tmp
+        self.models: dict[str, TinyModel] = {}
+
+    def model(self, kind: str) -> TinyModel:
+        if kind not in self.models:
+            import importlib
+
+            import transformers
+            from vllm.config import ModelConfig, VllmConfig
+
+            cfg_name, kw = MODELS[kind]
+            cfg = getattr(transformers, cfg_name)(**COMMON, **kw)
+            path = self.tmp / kind
+            cfg.save_pretrained(path)
+            mc = ModelConfig(model=str(path), dtype="bfloat16", skip_tokenizer_init=True,
+                             enforce_eager=True)
+            module, cls = VLLM_CLASSES[cfg_name]
+            vllm_cls = getattr(importlib.import_module(module), cls)
+            self.models[kind] = TinyModel(kind, cfg, VllmConfig(model_config=mc), vllm_cls)
+        return self.models[kind]
+
+    def build(self, kind: str, size: int, rank: int) -> torch.nn.Module:
+        from vllm.config import set_current_vllm_config
+        from vllm.distributed import parallel_state
+
+        tiny = self.model(kind)
+        group = parallel_state.get_tp_group()
+        saved = (group.world_size, group.rank_in_group, torch.get_default_dtype())
+        try:
+            group.world_size, group.rank_in_group = size, rank
+            torch.set_default_dtype(torch.bfloat16)
+            # attention layers register by name; each build is a fresh model
+            tiny.vllm_config.compilation_config.static_forward_context.clear()
+            with set_current_vllm_config(tiny.vllm_config):
+                return tiny.vllm_cls(vllm_config=tiny.vllm_config)
+        finally:
+            group.world_size, group.rank_in_group = saved[0], saved[1]
+            torch.set_default_dtype(saved[2])
+
+
+@pytest.fixture(scope="module")
+def tp_world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TPWorld]:
+    pytest.importorskip("vllm")
+    from vllm.distributed import parallel_state
+
+    tmp = tmp_path_factory.mktemp("shardmap")
+    world = TPWorld(tmp)
+    tiny = world.model("llama_gqa")
+    from vllm.config import set_current_vllm_config
+
+    with set_current_vllm_config(tiny.vllm_config):
+        parallel_state.init_distributed_environment(
+            world_size=1, rank=0, local_rank=0, backend="gloo",
+            distributed_init_method=f"file://{tmp / 'dist_init'}",
+        )
+        parallel_state.initialize_model_parallel(1, 1)
+    try:
+        yield world
+    finally:
+        parallel_state.destroy_model_parallel()
+        parallel_state.destroy_distributed_environment()
+
+
+def random_checkpoint(
+    params: dict[str, tuple[tuple[int, ...], str]], seed: int
+) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return {n: torch.randn(shape, generator=gen).to(torch.bfloat16) for n, (shape, _) in params.items()}
+
+
+def state_bits(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Copies of every parameter's bit pattern (int16 view of bf16)."""
+    return {n: p.detach().view(torch.int16).clone() for n, p in model.named_parameters()}
+
+
+def sha256_bytes(t: torch.Tensor) -> str:
+    data = t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+    return "sha256:" + hashlib.sha256(data).hexdigest()
+
+
+@contextlib.contextmanager
+def no_grad() -> Iterator[None]:
+    with torch.no_grad():
+        yield

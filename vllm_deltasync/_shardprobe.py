@@ -1,0 +1,277 @@
+"""The probe behind :meth:`vllm_deltasync.shardmap.ShardMap.from_model` (see that module's doc).
+
+Runs the model's own ``load_weights`` with a meta-device probe per checkpoint name under a
+``TorchDispatchMode`` that records each ``copy_`` from a probe view into a parameter as an
+affine :class:`Block` and skips every write into the model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from .errors import ApplyError
+
+_ATEN = torch.ops.aten
+_COPY_OPS = (_ATEN.clone.default, _ATEN._to_copy.default)
+Geometry = tuple[int, tuple[int, ...], tuple[int, ...]]
+
+
+@dataclass(frozen=True)
+class Block:
+    """One affine piece: checkpoint view -> runtime parameter view, both in flat coordinates.
+
+    Element ``m`` (a multi-index below ``sizes``) is checkpoint flat index
+    ``src_offset + sum(m * src_strides)`` and parameter flat index
+    ``dst_offset + sum(m * dst_strides)``. Dims are sorted by decreasing source stride and
+    nested (each stride exceeds the reach of the later dims), so the inverse is a greedy divide.
+    """
+
+    sizes: tuple[int, ...]
+    src_strides: tuple[int, ...]
+    src_offset: int
+    dst_strides: tuple[int, ...]
+    dst_offset: int
+
+    @property
+    def src_extent(self) -> int:
+        """Last source flat index minus the first."""
+        return sum((n - 1) * s for n, s in zip(self.sizes, self.src_strides, strict=True))
+
+    @property
+    def dst_extent(self) -> int:
+        return sum((n - 1) * d for n, d in zip(self.sizes, self.dst_strides, strict=True))
+
+    @property
+    def numel(self) -> int:
+        out = 1
+        for n in self.sizes:
+            out *= n
+        return out
+
+    @classmethod
+    def normalised(
+        cls, sizes: Iterable[int], src: Geometry, dst: Geometry
+    ) -> Block | None:
+        """Drop size-1 dims, sort by source stride, merge contiguous dims; None if empty."""
+        dims = [(n, s, d) for n, s, d in zip(sizes, src[2], dst[2], strict=True) if n != 1]
+        if any(n == 0 for n, _, _ in dims):
+            return None
+        if any(s <= 0 or d <= 0 for _, s, d in dims):
+            raise ValueError("broadcast, repeated or reversed elements")
+        dims.sort(key=lambda t: -t[1])
+        merged = dims[:1] or [(1, 1, 1)]
+        for n, s, d in dims[1:]:
+            pn, ps, pd = merged[-1]
+            if ps == s * n and pd == d * n:
+                merged[-1] = (pn * n, s, d)
+            else:
+                merged.append((n, s, d))
+        block = cls(
+            tuple(m[0] for m in merged), tuple(m[1] for m in merged), src[0],
+            tuple(m[2] for m in merged), dst[0],
+        )
+        if not (_nested(block.sizes, block.src_strides) and _nested(block.sizes, block.dst_strides)):
+            raise ValueError("overlapping elements")
+        return block
+
+
+def _nested(sizes: tuple[int, ...], strides: tuple[int, ...]) -> bool:
+    order = sorted(range(len(sizes)), key=lambda k: -strides[k])
+    reach = 0
+    for k in reversed(order):
+        if strides[k] <= reach:
+            return False
+        reach += (sizes[k] - 1) * strides[k]
+    return True
+
+
+class _ParamIndex:
+    """Finds the parameter (or buffer) a tensor's storage belongs to; guards against edits."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.by_storage: dict[int, list[tuple[str, torch.Tensor]]] = {}
+        self.saved: list[tuple[str, torch.Tensor, torch.Tensor]] = []
+        named = [*model.named_parameters(), *model.named_buffers()]
+        for name, t in named:
+            self.saved.append((name, t, t.data))
+            if t.device.type != "meta" and t.numel():
+                self.by_storage.setdefault(t.untyped_storage().data_ptr(), []).append((name, t))
+
+    def owner(self, t: torch.Tensor) -> tuple[str, torch.Tensor] | None:
+        if t.device.type == "meta":
+            return None
+        lo = t.storage_offset()
+        hi = lo + sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True))
+        for name, p in self.by_storage.get(t.untyped_storage().data_ptr(), ()):
+            if p.storage_offset() <= lo and hi < p.storage_offset() + p.numel():
+                return name, p
+        return None
+
+    def restore(self, checkpoint_name: str) -> None:
+        """Undo any ``param.data = ...`` a loader did; ApplyError naming the tensor if so."""
+        changed = []
+        for name, t, data in self.saved:
+            if t.data_ptr() != data.data_ptr() or t.shape != data.shape or t.dtype != data.dtype:
+                t.data = data
+                changed.append(name)
+        if changed:
+            raise ApplyError(
+                f"loading {checkpoint_name!r} replaced the storage of {changed}; in-place updates "
+                "need loaders that copy into existing parameters"
+            )
+
+
+class _Recorder(TorchDispatchMode):
+    """Records where a meta probe's elements are copied; skips every write into the model."""
+
+    def __init__(self, name: str, probe: torch.Tensor, index: _ParamIndex) -> None:
+        super().__init__()
+        self.name, self.index = name, index
+        self.probe_id = probe.untyped_storage()._cdata
+        self.keep: list[torch.Tensor] = [probe]
+        self.aliases: dict[int, tuple[Geometry, Geometry]] = {}
+        self.tainted: dict[int, str] = {}
+        self.blocks: list[tuple[str, Block]] = []
+        self.touched = False
+        """A probe copy reached a parameter (possibly of zero elements: an empty vocab shard)."""
+
+    def error(self, what: str) -> ApplyError:
+        return ApplyError(f"cannot place checkpoint tensor {self.name!r}: the loader {what}")
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func is _ATEN.copy_.default:
+            return self._copy(args[0], args[1])
+        metas = [a for a in _tensors(args, kwargs) if a.device.type == "meta"]
+        written = _written(func, args, kwargs)
+        if any(self.index.owner(w) is not None for w in written):
+            if metas:
+                raise self.error(f"writes it into a parameter through {func}")
+            return written[0]  # e.g. fill_ of vocab padding: never touch live weights
+        if any(w.device.type == "meta" for w in written):
+            raise self.error(f"modifies it in place with {func}")
+        out = func(*args, **kwargs)
+        if metas and not func.is_view:
+            self._derive(func, metas, out)
+        return out
+
+    def _derive(self, func: Any, metas: list[torch.Tensor], out: Any) -> None:
+        outs = [o for o in (out if isinstance(out, (tuple, list)) else [out])
+                if isinstance(o, torch.Tensor) and o.device.type == "meta"]
+        for o in outs:
+            self.keep.append(o)
+            sid = o.untyped_storage()._cdata
+            if func in _COPY_OPS and len(metas) == 1 and metas[0].shape == o.shape:
+                try:
+                    self.aliases[sid] = (_geom(o), self._geometry(metas[0]))
+                    continue
+                except ApplyError:
+                    pass
+            self.tainted[sid] = str(func)
+
+    def _geometry(self, t: torch.Tensor) -> Geometry:
+        sid = t.untyped_storage()._cdata
+        if sid == self.probe_id:
+            return _geom(t)
+        if sid in self.aliases:
+            layout, base = self.aliases[sid]
+            if _geom(t) == layout:
+                return base
+            raise self.error("views a converted copy of it in a way the shard map cannot follow")
+        if sid in self.tainted:
+            raise self.error(f"transforms its values with {self.tainted[sid]}")
+        raise self.error("copies from a tensor that does not come from it")
+
+    def _copy(self, dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+        owner = self.index.owner(dst)
+        if owner is None:
+            if src.device.type == "meta" or dst.device.type == "meta":
+                raise self.error("copies it into a temporary tensor, not a parameter")
+            return _ATEN.copy_.default(dst, src)  # type: ignore[no-any-return]
+        if src.device.type != "meta":
+            return dst  # a write not derived from the checkpoint tensor: skipped
+        if tuple(src.shape) != tuple(dst.shape):
+            raise self.error(f"broadcasts shape {tuple(src.shape)} into {tuple(dst.shape)}")
+        pname, param = owner
+        self.touched = True
+        if not param.is_contiguous():
+            raise self.error(f"writes into non-contiguous parameter {pname!r}")
+        dst_geom: Geometry = (
+            int(dst.storage_offset() - param.storage_offset()), (), tuple(dst.stride())
+        )
+        try:
+            block = Block.normalised(dst.shape, self._geometry(src), dst_geom)
+        except ValueError as exc:
+            raise self.error(f"writes {exc} into {pname!r}") from exc
+        if block is not None:
+            self.blocks.append((pname, block))
+        return dst
+
+
+def _geom(t: torch.Tensor) -> Geometry:
+    return (int(t.storage_offset()), tuple(int(n) for n in t.shape), tuple(t.stride()))
+
+
+def _tensors(args: Any, kwargs: Any) -> list[torch.Tensor]:
+    flat = [*args, *kwargs.values()]
+    out = []
+    for a in flat:
+        if isinstance(a, torch.Tensor):
+            out.append(a)
+        elif isinstance(a, (list, tuple)):
+            out.extend(x for x in a if isinstance(x, torch.Tensor))
+    return out
+
+
+def _written(func: Any, args: Any, kwargs: Any) -> list[torch.Tensor]:
+    """Tensors the op writes to, from the schema's alias annotations."""
+    out = []
+    for i, arg in enumerate(func._schema.arguments):
+        if arg.alias_info is None or not arg.alias_info.is_write:
+            continue
+        value = args[i] if i < len(args) else kwargs.get(arg.name)
+        if isinstance(value, torch.Tensor):
+            out.append(value)
+    return out
+
+
+def _dtype(name: str, dtype: str) -> torch.dtype:
+    value = getattr(torch, dtype, None)
+    if not isinstance(value, torch.dtype):
+        raise ApplyError(f"checkpoint tensor {name!r} has unknown dtype {dtype!r}")
+    return value
+
+
+def probe_model(
+    model: torch.nn.Module, checkpoint_params: Mapping[str, tuple[tuple[int, ...], str]]
+) -> tuple[dict[str, list[tuple[str, Block]]], dict[str, str]]:
+    """Run the model's loader on a meta probe per name: (placed blocks, unplaced reasons)."""
+    index = _ParamIndex(model)
+    load_weights = getattr(model, "load_weights", None)
+    if not callable(load_weights):
+        raise ApplyError(f"{type(model).__name__} has no load_weights(); cannot derive a shard map")
+    placed: dict[str, list[tuple[str, Block]]] = {}
+    unplaced: dict[str, str] = {}
+    for name, (shape, dtype) in checkpoint_params.items():
+        probe = torch.empty(tuple(shape), dtype=_dtype(name, dtype), device="meta")
+        recorder = _Recorder(name, probe, index)
+        try:
+            with torch.no_grad(), recorder:
+                load_weights(iter([(name, probe)]))
+        except ApplyError:
+            raise
+        except Exception as exc:
+            unplaced[name] = f"the loader refused it ({type(exc).__name__}: {str(exc)[:160]})"
+            continue
+        finally:
+            index.restore(name)
+        if recorder.touched:
+            placed[name] = recorder.blocks
+        else:
+            unplaced[name] = "load_weights wrote nothing for it"
+    return placed, unplaced

@@ -1,0 +1,153 @@
+"""In-place writes of translated patches into live parameters, and digests of what they hold.
+
+The pieces come from :meth:`vllm_deltasync.shardmap.ShardMap.translate`. :func:`prepare` moves
+them to each parameter's device (and into its dtype) ahead of time, so that
+:func:`apply_patches`, run at the switch, only scatters: ``index_copy_`` into
+``param.data.view(-1)`` for sparse pieces, a strided ``copy_`` for dense ones. Both write into
+the existing storage (same tensor, same address), so CUDA graphs and compiled graphs that read
+parameters by address keep working.
+
+Relative pieces carry int16 differences of bf16 bit patterns: ``new_bits = old_bits + diff``
+modulo 2**16, computed on int16 views of the parameter on its device.
+
+Digest definition (:func:`tensor_digest`, :func:`checkpoint_digest`): sha256 over the raw bytes
+of the elements of one checkpoint tensor that this rank holds, in increasing checkpoint flat
+index, each element once (little-endian, in the parameter's dtype). At TP=1 it equals the sha256
+of the whole checkpoint tensor's bytes; under TP it is per rank, and the trainer side can compute
+the same number from a full tensor with :func:`checkpoint_digest`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable
+
+import torch
+
+from .errors import ApplyError
+from .shardmap import Piece, ShardMap, Target
+
+
+def prepare(pieces: Iterable[Piece], *, non_blocking: bool = False) -> list[Piece]:
+    """Move indices and values to each parameter's device and dtype, ready to scatter.
+
+    Dense values (strided views of a patch) are gathered into contiguous tensors of the piece's
+    shape, so only this rank's share travels to the device.
+    """
+    out = []
+    for piece in pieces:
+        param, indices, values = piece
+        device = param.device
+        if indices is not None:
+            indices = indices.to(device, non_blocking=non_blocking)
+        values = values.contiguous().to(device, non_blocking=non_blocking)
+        if not piece.relative and values.dtype != param.dtype:
+            values = values.to(param.dtype)
+        out.append(Piece(param, indices, values, dense=piece.dense, relative=piece.relative))
+    return out
+
+
+def apply_patches(pieces: Iterable[Piece]) -> int:
+    """Write every piece in place; return the number of elements written.
+
+    Pieces not yet prepared are moved on the fly (slower: do :func:`prepare` before the switch).
+    """
+    written = 0
+    for piece in pieces:
+        if piece.values.device != piece.param.device:
+            (piece,) = prepare([piece])
+        flat = piece.param.data.view(-1)
+        if piece.relative:
+            if piece.values.dtype != torch.int16 or flat.element_size() != 2:
+                raise ApplyError(
+                    f"relative piece needs int16 differences and a 16-bit parameter, got "
+                    f"{piece.values.dtype} into {flat.dtype}"
+                )
+            flat = flat.view(torch.int16)
+        _write(flat, piece)
+        written += piece.values.numel()
+    return written
+
+
+def _write(flat: torch.Tensor, piece: Piece) -> None:
+    values = piece.values
+    if piece.dense is not None:
+        d = piece.dense
+        dst = flat.as_strided(d.sizes, d.strides, flat.storage_offset() + d.offset)
+        values = values.reshape(d.sizes)
+        if piece.relative:
+            dst.add_(values)
+        else:
+            dst.copy_(values)
+        return
+    indices = piece.indices
+    if indices is None:
+        raise ApplyError("sparse piece without indices")
+    if piece.relative:
+        values = flat.index_select(0, indices).add_(values)
+    flat.index_copy_(0, indices, values.to(flat.dtype))
+
+
+def _ordered_targets(shardmap: ShardMap, name: str) -> list[Target]:
+    name = shardmap.covered_by.get(name, name)
+    if name in shardmap.ignored:
+        raise ApplyError(f"checkpoint tensor {name!r} is not held by the engine ({shardmap.ignored[name]})")
+    return sorted(shardmap.targets(name), key=lambda t: t.block.src_offset)
+
+
+def _rank_values(targets: list[Target], block_values: list[torch.Tensor]) -> torch.Tensor:
+    """Concatenate per-block values in checkpoint order, each checkpoint element once."""
+    disjoint = all(
+        a.block.src_offset + a.block.src_extent < b.block.src_offset
+        for a, b in zip(targets, targets[1:], strict=False)
+    )
+    if disjoint:
+        return torch.cat([v.reshape(-1) for v in block_values]) if block_values else torch.empty(0)
+    src = torch.cat([_src_indices(t) for t in targets])
+    vals = torch.cat([v.reshape(-1) for v in block_values])
+    order = torch.argsort(src, stable=True)
+    src, vals = src[order], vals[order]
+    first = torch.ones_like(src, dtype=torch.bool)
+    first[1:] = src[1:] != src[:-1]
+    return vals[first]
+
+
+def _src_indices(target: Target) -> torch.Tensor:
+    b = target.block
+    out = torch.full(b.sizes, b.src_offset, dtype=torch.int64)
+    for k, (n, s) in enumerate(zip(b.sizes, b.src_strides, strict=True)):
+        shape = [1] * len(b.sizes)
+        shape[k] = n
+        out += (torch.arange(n, dtype=torch.int64) * s).view(shape)
+    return out.reshape(-1)
+
+
+def _digest(values: torch.Tensor) -> str:
+    data = values.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes()
+    return "sha256:" + hashlib.sha256(data).hexdigest()
+
+
+def tensor_digest(shardmap: ShardMap, name: str) -> str:
+    """sha256 of the live elements of checkpoint tensor ``name`` on this rank (module doc)."""
+    targets = _ordered_targets(shardmap, name)
+    values = []
+    for t in targets:
+        b = t.block
+        flat = t.param.data.view(-1)
+        values.append(flat.as_strided(b.sizes, b.dst_strides, flat.storage_offset() + b.dst_offset))
+    return _digest(_rank_values(targets, values))
+
+
+def checkpoint_digest(shardmap: ShardMap, name: str, full: torch.Tensor) -> str:
+    """The :func:`tensor_digest` this rank should report when it holds checkpoint ``full``."""
+    targets = _ordered_targets(shardmap, name)
+    flat = full.detach().contiguous().reshape(-1)
+    dtype = targets[0].param.dtype if targets else flat.dtype
+    values = [
+        flat.as_strided(t.block.sizes, t.block.src_strides, flat.storage_offset() + t.block.src_offset)
+        for t in targets
+    ]
+    return _digest(_rank_values(targets, values).to(dtype))
+
+
+__all__ = ["apply_patches", "checkpoint_digest", "prepare", "tensor_digest"]

@@ -1,0 +1,371 @@
+"""Checkpoint coordinates -> this rank's runtime parameters, derived from the model's own loaders.
+
+How the map is derived
+----------------------
+A rollout engine holds *runtime* parameters (``qkv_proj``, ``gate_up_proj``, vocab-padded
+embeddings, each narrowed to the local tensor-parallel rank); deltas arrive in *checkpoint*
+(Hugging Face) coordinates. Instead of a table per model family, :meth:`ShardMap.from_model`
+asks the model itself, once at start (the idea of vLLM PR #43375):
+
+1. For every checkpoint name it calls the model's own ``load_weights([(name, probe)])`` with a
+   *probe*: an empty tensor of the checkpoint shape and dtype on the ``meta`` device, so it costs
+   no memory but keeps view geometry (storage offset, sizes, strides) through ``narrow``,
+   ``view``, ``transpose``, ``select``, ``chunk`` and the like.
+2. A ``TorchDispatchMode`` watches every aten op the loaders run. When a ``copy_`` writes a
+   probe view into a parameter's storage, it records one *block*: the source view (offset,
+   sizes, strides in the flat checkpoint tensor) and the destination view (offset, strides in
+   the flat parameter). The copy itself is skipped, and so is every other write into a
+   parameter (``fill_`` of vocab padding, ...): live weights are never touched.
+3. Anything the map cannot represent raises :class:`~vllm_deltasync.errors.ApplyError` naming
+   the checkpoint tensor: a value-transforming op on the probe (``mul``, ``cat``, a dtype
+   conversion that is then viewed differently), a copy into a temporary, a loader exception, a
+   loader that replaces ``param.data``. A name the loaders write nothing for is an error too,
+   except two explicit cases: a name tied to a parameter that another checkpoint name places
+   (``lm_head.weight`` with tied embeddings: recorded as *covered by* ``model.embed_tokens.weight``)
+   and buffers the engine recomputes (``rotary_emb.inv_freq``).
+
+Each block is normalised (size-1 dims dropped, dims sorted by source stride, contiguous dims
+merged): a column-parallel shard becomes one 1-D range, a row-parallel shard two dims. The map
+holds a few integers per (checkpoint tensor, rank), never per-element indices.
+
+Translating a patch
+-------------------
+For sorted flat checkpoint indices, each block first cuts the index range it can hit with two
+``searchsorted`` calls, then decomposes ``index - offset`` greedily by the (nested) source
+strides into a multi-index, keeps the elements inside the block and maps them through the
+destination strides. All of it is vectorised torch on the device the patch lives on. An element
+may land in several blocks (replicated KV heads): every placement is returned. Dense runs that
+cover the whole tensor become strided views (no index tensors at all).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from ._shardprobe import Block, probe_model
+from .errors import ApplyError
+
+if TYPE_CHECKING:
+    from .codec import TensorPatch
+
+RECOMPUTED_BUFFER_SUFFIXES = (
+    "rotary_emb.inv_freq",
+    "rotary_emb.cos_cached",
+    "rotary_emb.sin_cached",
+)
+"""Checkpoint names ending like this are buffers the engine recomputes; ignored if unplaced."""
+
+@dataclass(frozen=True)
+class DenseView:
+    """Destination of a dense piece: a strided view of ``param.view(-1)``."""
+
+    sizes: tuple[int, ...]
+    strides: tuple[int, ...]
+    offset: int
+
+
+class Piece(tuple):  # type: ignore[type-arg]
+    """``(param, local_flat_indices, values)`` for one block of one patch on this rank.
+
+    ``local_flat_indices`` is an int64 tensor of flat indices into ``param.view(-1)``, or
+    ``None`` for a dense piece, whose destination is ``dense`` (a strided view) and whose
+    ``values`` have ``dense.sizes``. ``relative`` is the patch's flag (int16 bit differences).
+    """
+
+    dense: DenseView | None
+    relative: bool
+
+    def __new__(
+        cls,
+        param: torch.Tensor,
+        indices: torch.Tensor | None,
+        values: torch.Tensor,
+        *,
+        dense: DenseView | None = None,
+        relative: bool = False,
+    ) -> Piece:
+        self = super().__new__(cls, (param, indices, values))
+        self.dense = dense
+        self.relative = relative
+        return self
+
+    @property
+    def param(self) -> torch.Tensor:
+        return self[0]  # type: ignore[no-any-return]
+
+    @property
+    def indices(self) -> torch.Tensor | None:
+        return self[1]  # type: ignore[no-any-return]
+
+    @property
+    def values(self) -> torch.Tensor:
+        return self[2]  # type: ignore[no-any-return]
+
+
+@dataclass(frozen=True)
+class Target:
+    """One block of one checkpoint tensor on this rank, bound to its runtime parameter."""
+
+    param_name: str
+    param: torch.Tensor
+    block: Block
+
+
+class ShardMap:
+    """Where each checkpoint tensor's elements live in this rank's runtime parameters."""
+
+    def __init__(
+        self,
+        targets: Mapping[str, list[Target]],
+        checkpoint_params: Mapping[str, tuple[tuple[int, ...], str]],
+        ignored: Mapping[str, str] | None = None,
+        covered_by: Mapping[str, str] | None = None,
+    ) -> None:
+        self._targets = {name: list(ts) for name, ts in targets.items()}
+        self._shapes = {n: (tuple(s), d) for n, (s, d) in checkpoint_params.items()}
+        self.ignored: dict[str, str] = dict(ignored or {})
+        """Checkpoint names this rank deliberately does not write, with the reason."""
+        self.covered_by: dict[str, str] = dict(covered_by or {})
+        """Tied names -> the checkpoint name whose placement holds the same parameter."""
+
+    # ----------------------------------------------------------------- building
+    @classmethod
+    def from_model(
+        cls,
+        model: torch.nn.Module,
+        checkpoint_params: Mapping[str, tuple[tuple[int, ...], str]],
+    ) -> ShardMap:
+        """Probe ``model.load_weights`` once per checkpoint name (see the module docstring).
+
+        ``checkpoint_params`` maps each checkpoint name to ``(shape, dtype name)``.
+        Raises ApplyError naming every checkpoint tensor that cannot be placed.
+        """
+        placed, unplaced = probe_model(model, checkpoint_params)
+        params: dict[str, torch.Tensor] = dict(model.named_parameters(remove_duplicate=False))
+        params.update(model.named_buffers(remove_duplicate=False))
+        targets = {
+            name: [Target(pn, params[pn], b) for pn, b in blocks] for name, blocks in placed.items()
+        }
+        ignored, covered, errors = _classify_unplaced(unplaced, placed, params)
+        if errors:
+            raise ApplyError(
+                f"{len(errors)} checkpoint tensor(s) cannot be placed in this model: "
+                + "; ".join(errors)
+                + ". Check that the bucket was published for this model architecture."
+            )
+        return cls(targets, checkpoint_params, ignored, covered)
+
+    # ---------------------------------------------------------------- queries
+    @property
+    def names(self) -> list[str]:
+        """Every checkpoint name the map was built for."""
+        return list(self._shapes)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self._entry(name)[0]
+
+    def targets(self, name: str) -> list[Target]:
+        """Where a checkpoint tensor lands on this rank (0..n blocks; [] for ignored names)."""
+        self._entry(name)
+        return list(self._targets.get(name, ()))
+
+    def _entry(self, name: str) -> tuple[tuple[int, ...], str]:
+        try:
+            return self._shapes[name]
+        except KeyError:
+            raise ApplyError(
+                f"checkpoint tensor {name!r} is not in the parameter set this shard map was "
+                "built for; rebuild the map for this checkpoint"
+            ) from None
+
+    # -------------------------------------------------------------- translate
+    def translate(self, patch: TensorPatch) -> list[Piece]:
+        """Pieces of ``patch`` that belong to this rank, in local flat parameter coordinates."""
+        shape, dtype = self._entry(patch.name)
+        numel = _check_patch(patch, shape, dtype)
+        if patch.name in self.ignored:
+            return []
+        pieces: list[Piece] = []
+        for target in self._targets.get(patch.name, ()):
+            _check_param(patch, target, dtype)
+            if patch.indices is not None:
+                piece = _sparse_piece(target, patch.indices, patch.values, patch.relative)
+            elif patch.offset == 0 and patch.values.numel() == numel:
+                piece = _dense_piece(target, patch.values, patch.relative)
+            else:
+                piece = _run_piece(target, patch.offset, patch.values, patch.relative)
+            if piece is not None:
+                pieces.append(piece)
+        return pieces
+
+    # ---------------------------------------------------------- serialisation
+    def to_json(self) -> str:
+        """The blocks, parameter names and ignore records (no tensors), as JSON."""
+        return json.dumps(
+            {
+                "checkpoint_params": {n: [list(s), d] for n, (s, d) in self._shapes.items()},
+                "targets": {
+                    n: [{"param": t.param_name, **asdict(t.block)} for t in ts]
+                    for n, ts in self._targets.items()
+                },
+                "params": {
+                    t.param_name: [list(t.param.shape), str(t.param.dtype).removeprefix("torch.")]
+                    for ts in self._targets.values()
+                    for t in ts
+                },
+                "ignored": self.ignored,
+                "covered_by": self.covered_by,
+            }
+        )
+
+    @classmethod
+    def from_json(cls, data: str, params: Mapping[str, torch.Tensor]) -> ShardMap:
+        """Rebuild a map saved by :meth:`to_json`, binding blocks to ``params`` by name."""
+        raw = json.loads(data)
+        targets: dict[str, list[Target]] = {}
+        for name, items in raw["targets"].items():
+            targets[name] = []
+            for item in items:
+                pname = item.pop("param")
+                want = tuple(raw["params"][pname][0])
+                if pname not in params or tuple(params[pname].shape) != want:
+                    raise ApplyError(
+                        f"shard map for {name!r} needs parameter {pname!r} of shape {want}"
+                    )
+                block = Block(
+                    tuple(item["sizes"]), tuple(item["src_strides"]), int(item["src_offset"]),
+                    tuple(item["dst_strides"]), int(item["dst_offset"]),
+                )
+                targets[name].append(Target(pname, params[pname], block))
+        shapes = {n: (tuple(s), d) for n, (s, d) in raw["checkpoint_params"].items()}
+        return cls(targets, shapes, raw["ignored"], raw["covered_by"])
+
+
+def _classify_unplaced(
+    unplaced: Mapping[str, str],
+    placed: Mapping[str, list[tuple[str, Block]]],
+    params: Mapping[str, torch.Tensor],
+) -> tuple[dict[str, str], dict[str, str], list[str]]:
+    """Split unplaced names into ignored (tied / recomputed) and errors."""
+    owner: dict[int, str] = {}
+    for name, blocks in placed.items():
+        for pname, _ in blocks:
+            owner.setdefault(id(params[pname]), name)
+    ignored: dict[str, str] = {}
+    covered: dict[str, str] = {}
+    errors: list[str] = []
+    for name, why in unplaced.items():
+        tied = params.get(name)
+        if tied is not None and id(tied) in owner and owner[id(tied)] != name:
+            covered[name] = owner[id(tied)]
+            ignored[name] = f"tied: covered by {owner[id(tied)]!r}"
+        elif name.endswith(RECOMPUTED_BUFFER_SUFFIXES):
+            ignored[name] = "buffer recomputed by the engine"
+        else:
+            errors.append(f"{name!r}: {why}")
+    return ignored, covered, errors
+
+
+def _check_patch(patch: TensorPatch, shape: tuple[int, ...], dtype: str) -> int:
+    if tuple(patch.shape) != shape:
+        raise ApplyError(
+            f"patch for {patch.name!r} has shape {tuple(patch.shape)}, the checkpoint tensor "
+            f"is {shape}"
+        )
+    numel = 1
+    for s in shape:
+        numel *= s
+    want = torch.int16 if patch.relative else getattr(torch, dtype)
+    if patch.values.dtype != want:
+        raise ApplyError(
+            f"patch for {patch.name!r} carries {patch.values.dtype} values, expected {want}"
+        )
+    if patch.indices is None:
+        if patch.offset < 0 or patch.offset + patch.values.numel() > numel:
+            raise ApplyError(f"dense run of {patch.name!r} exceeds the tensor's {numel} elements")
+        return numel
+    idx = patch.indices
+    if idx.dtype != torch.int64 or idx.dim() != 1 or idx.numel() != patch.values.numel():
+        raise ApplyError(
+            f"patch for {patch.name!r}: indices must be 1-D int64 with one per value "
+            f"(got {idx.dtype}, {idx.numel()} indices, {patch.values.numel()} values)"
+        )
+    if idx.numel() and (int(idx[0]) < 0 or int(idx[-1]) >= numel):
+        raise ApplyError(f"patch for {patch.name!r}: indices outside [0, {numel})")
+    if idx.numel() > 1 and not bool((idx[1:] > idx[:-1]).all()):
+        raise ApplyError(f"patch for {patch.name!r}: indices are not strictly increasing")
+    return numel
+
+
+def _check_param(patch: TensorPatch, target: Target, dtype: str) -> None:
+    if patch.relative and target.param.dtype != getattr(torch, dtype):
+        raise ApplyError(
+            f"relative patch for {patch.name!r} needs a {dtype} parameter, "
+            f"{target.param_name!r} is {target.param.dtype}"
+        )
+
+
+def _sparse_piece(
+    target: Target, indices: torch.Tensor, values: torch.Tensor, relative: bool
+) -> Piece | None:
+    b = target.block
+    lo, hi = b.src_offset, b.src_offset + b.src_extent
+    a = int(torch.searchsorted(indices, lo))
+    z = int(torch.searchsorted(indices, hi, right=True))
+    if z <= a:
+        return None
+    sub, vals = indices[a:z], values[a:z]
+    rest = sub - lo
+    local = torch.full_like(sub, b.dst_offset)
+    keep: torch.Tensor | None = None
+    for k, (n, s, d) in enumerate(zip(b.sizes, b.src_strides, b.dst_strides, strict=True)):
+        q = torch.div(rest, s, rounding_mode="floor") if s != 1 else rest
+        if k:
+            inside = q < n
+            keep = inside if keep is None else keep & inside
+        rest = rest - q * s
+        local += q * d
+    if b.src_strides[-1] != 1:
+        keep = rest == 0 if keep is None else keep & (rest == 0)
+    if keep is not None:
+        local, vals = local[keep], vals[keep]
+        if local.numel() == 0:
+            return None
+    return Piece(target.param, local, vals, relative=relative)
+
+
+def _dense_piece(target: Target, values: torch.Tensor, relative: bool) -> Piece:
+    b = target.block
+    view = values.as_strided(b.sizes, b.src_strides, values.storage_offset() + b.src_offset)
+    dense = DenseView(b.sizes, b.dst_strides, b.dst_offset)
+    return Piece(target.param, None, view, dense=dense, relative=relative)
+
+
+def _run_piece(target: Target, offset: int, values: torch.Tensor, relative: bool) -> Piece | None:
+    """A dense run covering part of the tensor: a slice when the block is one range."""
+    b = target.block
+    lo = max(offset, b.src_offset)
+    hi = min(offset + values.numel(), b.src_offset + b.src_extent + 1)
+    if hi <= lo:
+        return None
+    if len(b.sizes) == 1 and b.src_strides[0] == 1:
+        dense = DenseView((hi - lo,), b.dst_strides, b.dst_offset + (lo - b.src_offset) * b.dst_strides[0])
+        return Piece(target.param, None, values[lo - offset : hi - offset], dense=dense, relative=relative)
+    idx = torch.arange(lo, hi, device=values.device)
+    return _sparse_piece(target, idx, values[lo - offset : hi - offset], relative)
+
+
+def translate_all(shardmap: ShardMap, patches: Iterable[TensorPatch]) -> list[Piece]:
+    """Translate several patches; convenience for callers staging one step."""
+    out: list[Piece] = []
+    for patch in patches:
+        out.extend(shardmap.translate(patch))
+    return out
+
+
+__all__ = ["Block", "DenseView", "Piece", "ShardMap", "Target", "translate_all"]
