@@ -49,9 +49,9 @@ _FIELD_DTYPES = {8: torch.uint8, 16: torch.int16}
 _DTYPES = {str(d).removeprefix("torch."): d for d in (torch.uint8, torch.int16, torch.int32, torch.int64, torch.bfloat16)}
 
 
-def _zigzag(diff: torch.Tensor) -> torch.Tensor:
+def _zigzag(diff: np.ndarray) -> np.ndarray:
     """int16 -> int32 codes in [0, 65535]: 0, -1, 1, -2, ... -> 0, 1, 2, 3, ..."""
-    d = diff.to(torch.int32)
+    d = diff.astype(np.int32)
     return ((d << 1) ^ (d >> 31)) & 0xFFFF
 
 
@@ -61,60 +61,58 @@ _LUT4x2 = torch.stack([_LUT8[torch.arange(256) & 15], _LUT8[torch.arange(256) >>
 """byte of two 4-bit codes (low nibble first) -> their two int16 differences."""
 
 
-def _overflow_dtype(values: torch.Tensor) -> torch.dtype:
-    top = int(values.max()) if values.numel() else 0
-    return torch.int16 if top < 2**15 else torch.int32 if top < 2**31 else torch.int64
+def _overflow_dtype(values: np.ndarray) -> type:
+    top = int(values.max()) if values.size else 0
+    return np.int16 if top < 2**15 else np.int32 if top < 2**31 else np.int64
 
 
-def _gap_width(gaps: torch.Tensor) -> int:
+def _gap_width(gaps: np.ndarray) -> int:
     """8 or 16 bits, whichever gives fewer bytes (the escape list counted at 2 bytes)."""
     def size(bits: int) -> int:
-        return bits // 8 * gaps.numel() + 2 * int((gaps >= (1 << bits) - 1).sum())
+        return bits // 8 * gaps.size + 2 * int(np.count_nonzero(gaps >= (1 << bits) - 1))
     return 8 if size(8) <= size(16) else 16
 
 
-def _value_width(codes: torch.Tensor) -> int:
-    n = codes.numel()
-    sizes = {4: (n + 1) // 2 + 2 * int((codes >= 15).sum()), 8: n + 2 * int((codes >= 255).sum()), 16: 2 * n}
+def _value_width(codes: np.ndarray) -> int:
+    n = codes.size
+    sizes = {4: (n + 1) // 2 + 2 * int(np.count_nonzero(codes >= 15)),
+             8: n + 2 * int(np.count_nonzero(codes >= 255)), 16: 2 * n}
     return min(sizes, key=lambda w: (sizes[w], w))
 
 
-def _encode_gaps(idx: torch.Tensor, roles: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
-    gaps = torch.diff(idx, prepend=idx[:1])
+def _encode_gaps(idx: np.ndarray, roles: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
+    gaps = np.diff(idx, prepend=idx[:1])
     bits = _gap_width(gaps)
     escape = (1 << bits) - 1
-    fields = gaps.clamp(max=escape)
-    if bits == 16:
-        fields = torch.where(fields >= 1 << 15, fields - (1 << 16), fields)
-    roles["gaps"] = fields.to(_FIELD_DTYPES[bits])
+    fields = np.minimum(gaps, escape).astype(np.uint8 if bits == 8 else np.uint16)
+    roles["gaps"] = torch.from_numpy(fields if bits == 8 else fields.view(np.int16))
     over = gaps[gaps >= escape] - escape
-    meta["gap_bits"], meta["gap_escapes"] = bits, over.numel()
-    if over.numel():
-        roles["gap_overflow"] = over.to(_overflow_dtype(over))
+    meta["gap_bits"], meta["gap_escapes"] = bits, over.size
+    if over.size:
+        roles["gap_overflow"] = torch.from_numpy(over.astype(_overflow_dtype(over)))
 
 
 def _encode_values(new: torch.Tensor, old: torch.Tensor | None, roles: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
     if old is None:
         roles["values"], meta["values"], meta["value_escapes"] = new, "raw", 0
         return
-    diff = new.view(torch.int16) - old.contiguous().view(torch.int16)
+    diff = new.view(torch.int16).numpy() - old.contiguous().view(torch.int16).numpy()
     codes = _zigzag(diff)
     width = _value_width(codes)
     meta["values"] = f"diff{width}"
     if width == 16:
-        roles["values"], meta["value_escapes"] = diff, 0
+        roles["values"], meta["value_escapes"] = torch.from_numpy(diff), 0
         return
     escape = (1 << width) - 1
-    fields = codes.clamp(max=escape).to(torch.uint8)
+    fields = np.minimum(codes, escape).astype(np.uint8)
     if width == 4:
-        if fields.numel() % 2:
-            fields = torch.cat([fields, fields.new_zeros(1)])
-        pairs = fields.view(-1, 2)
-        fields = pairs[:, 0] | (pairs[:, 1] << 4)
+        if fields.size % 2:
+            fields = np.append(fields, np.uint8(0))
+        fields = fields[0::2] | (fields[1::2] << 4)
     over = diff[codes >= escape]
-    roles["values"], meta["value_escapes"] = fields, over.numel()
-    if over.numel():
-        roles["value_overflow"] = over
+    roles["values"], meta["value_escapes"] = torch.from_numpy(fields), over.size
+    if over.size:
+        roles["value_overflow"] = torch.from_numpy(over)
 
 
 def _widen(fields: torch.Tensor, unsigned_bits: int) -> torch.Tensor:
@@ -218,7 +216,7 @@ class SparseV2Codec(Codec):
         idx, new = _check_input(indices, new_values, old_values)
         roles: dict[str, torch.Tensor] = {}
         meta: dict[str, Any] = {"first": int(idx[0]) if idx.numel() else 0}
-        _encode_gaps(idx, roles, meta)
+        _encode_gaps(idx.numpy(), roles, meta)
         _encode_values(new, old_values, roles, meta)
         meta["compression"] = "none"
         if self.compression == "zstd" and idx.numel():
@@ -259,12 +257,12 @@ def _check_input(
         old_values is not None and (old_values.dtype != torch.bfloat16 or old_values.shape != new_values.shape)
     ):
         raise FormatError("sparse-v2: new and base values must be bf16 1-D tensors of equal length")
-    idx = indices.to(torch.int64).contiguous()
+    idx = indices.to(device="cpu", dtype=torch.int64).contiguous()
     if idx.numel() and int(idx[0]) < 0:
         raise FormatError("sparse-v2: indices must be non-negative")
-    if idx.numel() > 1 and not bool((idx[1:] > idx[:-1]).all()):
+    if idx.numel() > 1 and not bool(np.all(idx.numpy()[1:] > idx.numpy()[:-1])):
         raise FormatError("sparse-v2: indices must be strictly increasing")
-    return idx, new_values.contiguous()
+    return idx, new_values.cpu().contiguous()
 
 
 def _zstd() -> Any:
