@@ -152,6 +152,11 @@ class ShardMap:
             name: [Target(pn, params[pn], b) for pn, b in blocks] for name, blocks in placed.items()
         }
         ignored, covered, errors = _classify_unplaced(unplaced, placed, params)
+        for name, first in _duplicates(placed, params).items():
+            del targets[name]
+            covered[name] = first
+            ignored[name] = f"tied: writes exactly where {first!r} does"
+        errors += _overlaps(targets)
         if errors:
             raise ApplyError(
                 f"{len(errors)} checkpoint tensor(s) cannot be placed in this model: "
@@ -269,6 +274,49 @@ def _classify_unplaced(
         else:
             errors.append(f"{name!r}: {why}")
     return ignored, covered, errors
+
+
+def _duplicates(
+    placed: Mapping[str, list[tuple[str, Block]]], params: Mapping[str, torch.Tensor]
+) -> dict[str, str]:
+    """Names whose blocks are exactly another name's (tied weights both loaded): name -> first."""
+    seen: dict[tuple[tuple[int, Block], ...], str] = {}
+    dups: dict[str, str] = {}
+    for name, blocks in placed.items():
+        key = tuple((id(params[p]), b) for p, b in blocks)
+        if key and key in seen:
+            dups[name] = seen[key]
+        seen.setdefault(key, name)
+    return dups
+
+
+def _overlaps(targets: Mapping[str, list[Target]]) -> list[str]:
+    """Errors for two checkpoint names writing the same parameter element."""
+    spans: dict[int, list[tuple[int, int, str, Target]]] = {}
+    for name, ts in targets.items():
+        for t in ts:
+            lo = t.block.dst_offset
+            spans.setdefault(id(t.param), []).append((lo, lo + t.block.dst_extent, name, t))
+    errors = []
+    for items in spans.values():
+        items.sort(key=lambda item: item[0])
+        for (_, hi_a, name_a, a), (lo_b, _, name_b, b) in zip(items, items[1:], strict=False):
+            if lo_b <= hi_a and name_a != name_b and _share_elements(a.block, b.block):
+                errors.append(f"{name_a!r} and {name_b!r} both write {a.param_name!r}")
+    return errors
+
+
+def _share_elements(a: Block, b: Block) -> bool:
+    return bool(torch.isin(_dst_indices(a), _dst_indices(b)).any())
+
+
+def _dst_indices(b: Block) -> torch.Tensor:
+    out = torch.full(b.sizes, b.dst_offset, dtype=torch.int64)
+    for k, (n, d) in enumerate(zip(b.sizes, b.dst_strides, strict=True)):
+        shape = [1] * len(b.sizes)
+        shape[k] = n
+        out += (torch.arange(n, dtype=torch.int64) * d).view(shape)
+    return out.reshape(-1)
 
 
 def _check_patch(patch: TensorPatch, shape: tuple[int, ...], dtype: str) -> int:
