@@ -263,6 +263,7 @@ class StepWatcher:
                 cursor = event.cursor or cursor
                 if event.kind == "ready":
                     self._feed_live = True
+                    self.stats.mode = "events"
                     self._wake.set()
                 elif event.kind == "reset":
                     self._listed_at = None
@@ -274,6 +275,7 @@ class StepWatcher:
                             self._note(step)
         finally:
             self._feed_live = False
+            self.stats.mode = "polling"
         return cursor
 
 

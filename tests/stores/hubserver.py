@@ -88,7 +88,7 @@ class HubServer:
         self.quotas = {"api": Quota(1000, 300.0), "resolve": Quota(5000, 300.0)}
         self.events: list[dict[str, Any]] = []
         self._loop = asyncio.new_event_loop()
-        self._changed: asyncio.Condition | None = None
+        self._changed: asyncio.Event | None = None
         self._runners: list[web.AppRunner] = []
         self.endpoint = ""
         self.cdn = ""
@@ -105,7 +105,7 @@ class HubServer:
         self._loop.call_soon_threadsafe(self._loop.stop)
 
     async def _start(self) -> None:
-        self._changed = asyncio.Condition()
+        self._changed = asyncio.Event()
         api, cdn = web.Application(), web.Application()
         b = "/api/buckets/{ns}/{name}"
         api.router.add_get(b, self._info)
@@ -158,8 +158,8 @@ class HubServer:
     async def _emit(self, bucket_id: str, change: dict[str, Any]) -> None:
         assert self._changed is not None
         self.events.append({"bucket": bucket_id, "change": change})
-        async with self._changed:
-            self._changed.notify_all()
+        self._changed.set()  # wake every feed, then arm a fresh event for the next change
+        self._changed = asyncio.Event()
 
     def _record(self, request: web.Request, kind: str, status: int, **extra: Any) -> None:
         self.log.append(
@@ -298,23 +298,26 @@ class HubServer:
         )
         await resp.prepare(request)
         cursor = int(request.query.get("cursor", len(self.events)))
+        with contextlib.suppress(ConnectionError):
+            await self._feed(resp, bucket_id, cursor)
+        return resp
+
+    async def _feed(self, resp: web.StreamResponse, bucket_id: str, cursor: int) -> None:
         await resp.write(f"id: {cursor}\nevent: ready\ndata: {{}}\n\n".encode())
         deadline = time.monotonic() + self.faults.events_max_s
-        assert self._changed is not None
         while (left := deadline - time.monotonic()) > 0:
-            mine = [e["change"] for e in self.events[cursor:] if e["bucket"] == bucket_id]
+            assert self._changed is not None
+            changed = self._changed
             if len(self.events) > cursor:
+                mine = [e["change"] for e in self.events[cursor:] if e["bucket"] == bucket_id]
                 cursor = len(self.events)
                 if mine:
-                    await resp.write(
-                        f"id: {cursor}\nevent: changes\ndata: {json.dumps(mine)}\n\n".encode()
-                    )
+                    data = json.dumps(mine)
+                    await resp.write(f"id: {cursor}\nevent: changes\ndata: {data}\n\n".encode())
                 continue
-            async with self._changed:
-                with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(self._changed.wait(), min(left, 1.0))
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(changed.wait(), min(left, 1.0))
         await resp.write(f"id: {cursor}\nevent: reconnect\ndata: {{}}\n\n".encode())
-        return resp
 
     # -- CDN origin --------------------------------------------------------------------------
 
@@ -351,24 +354,28 @@ class HubServer:
         if self.faults.truncate_next > 0:
             self.faults.truncate_next -= 1
             cut = self.faults.truncate_after
-        sent = await self._send(resp, body if cut is None else body[:cut])
-        self.cdn_bytes_served += sent
-        self._record(request, "cdn", status, bytes=sent, cut=cut is not None)
+        planned = body if cut is None else body[:cut]
+        self._record(request, "cdn", status, bytes=len(planned), cut=cut is not None)
+        await self._send(resp, planned)
         if cut is not None and request.transport is not None:
-            request.transport.abort()  # dropped connection mid-body
+            while request.transport.get_write_buffer_size() > 0:  # what was sent arrives
+                await asyncio.sleep(0.001)
+            request.transport.abort()  # then the connection drops mid-body
         return resp
 
-    async def _send(self, resp: web.StreamResponse, body: bytes) -> int:
+    async def _send(self, resp: web.StreamResponse, body: bytes) -> None:
         rate = self.faults.cdn_bytes_per_s
         step = 64 << 10
         started = time.monotonic()
         for offset in range(0, len(body), step):
+            self.cdn_bytes_served += len(
+                body[offset : offset + step]
+            )  # before: no race with the reader
             await resp.write(body[offset : offset + step])
             if rate:
                 ahead = (offset + step) / rate - (time.monotonic() - started)
                 if ahead > 0:
                     await asyncio.sleep(ahead)
-        return len(body)
 
 
 class _HubError(web.HTTPException):

@@ -32,6 +32,8 @@ def hub_error(status: int, message: str, retry_after_s: float | None = None) -> 
         return AlreadyExistsError(message)
     if status == 429:
         return RateLimitedError(message, retry_after_s)
+    if status == 501:  # not implemented: retrying will not help (e.g. no events feed)
+        return StoreError(message)
     if status == 408 or status >= 500:
         return TransientStoreError(message)
     return StoreError(message)

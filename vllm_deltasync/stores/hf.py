@@ -117,7 +117,8 @@ class HfStore(Store):
         self.bucket_id = bucket_id
         self.prefix = prefix.strip("/")
         self.endpoint = (endpoint or env.get("HF_ENDPOINT") or DEFAULT_ENDPOINT).rstrip("/")
-        self.__token = resolve_token(token, env)
+        secret = resolve_token(token, env)
+        self.__token = lambda: secret  # a closure: never shown by repr() or vars()
         self._session = session
         self._owns_session = session is None
         self._uploader = uploader
@@ -152,7 +153,8 @@ class HfStore(Store):
     def _auth(self, url: str) -> dict[str, str]:
         """The token goes to the endpoint's own origin only."""
         same = urlsplit(url)[:2] == urlsplit(self.endpoint)[:2]
-        return {"Authorization": f"Bearer {self.__token}"} if same and self.__token else {}
+        token = self.__token()
+        return {"Authorization": f"Bearer {token}"} if same and token else {}
 
     def _http(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
@@ -317,7 +319,8 @@ class HfStore(Store):
             "resolve", "resolve", "HEAD", url, what=what, ok404=True
         )
         if status == 404:
-            raise NotFoundError(f"{what}: no such object in the bucket")
+            self._raise_if_no_bucket(headers)
+            raise NotFoundError(f"{what}: no such object in the bucket (EntryNotFound)")
         if status in _REDIRECTS and headers.get("Location"):
             return urljoin(url, headers["Location"])
         return url
@@ -424,7 +427,7 @@ class HfStore(Store):
         """``huggingface_hub.HfApi.batch_bucket_files`` against this endpoint (in a thread)."""
         from huggingface_hub import HfApi
 
-        api = HfApi(endpoint=self.endpoint, token=self.__token or False)
+        api = HfApi(endpoint=self.endpoint, token=self.__token() or False)
         try:
             api.batch_bucket_files(self.bucket_id, **ops)
         except Exception as exc:  # huggingface_hub / httpx errors, translated here

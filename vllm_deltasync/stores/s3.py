@@ -80,15 +80,13 @@ class S3Store(Store):
         self.endpoint_url = endpoint_url
         self.region_name = region_name
         self.addressing_style = addressing_style
-        self.__credentials = {
-            k: v
-            for k, v in {
-                "aws_access_key_id": aws_access_key_id,
-                "aws_secret_access_key": aws_secret_access_key,
-                "aws_session_token": aws_session_token,
-            }.items()
-            if v
+        credentials = {
+            "aws_access_key_id": aws_access_key_id,
+            "aws_secret_access_key": aws_secret_access_key,
+            "aws_session_token": aws_session_token,
         }
+        kept = {k: v for k, v in credentials.items() if v}
+        self.__credentials = lambda: kept  # a closure: never shown by repr() or vars()
         self.profile = profile
         self.conditional_writes = conditional_writes
         self.multipart_threshold = multipart_threshold
@@ -147,7 +145,7 @@ class S3Store(Store):
                         endpoint_url=self.endpoint_url,
                         region_name=self.region_name,
                         config=config,
-                        **self.__credentials,
+                        **self.__credentials(),
                     )
                 )
             return self._client

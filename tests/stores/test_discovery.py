@@ -1,0 +1,105 @@
+"""StepWatcher: new steps are seen through the events feed, by probing, and by listing."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+from vllm_deltasync.discovery import StepWatcher, manifest_name, step_of
+from vllm_deltasync.stores import open_store
+
+
+def test_manifest_names() -> None:
+    assert manifest_name(42) == "manifests/000000000042.json"
+    assert step_of("manifests/000000000042.json") == 42
+    assert step_of("data/000000000042-abc/00000.safetensors") is None
+
+
+async def _publish_later(store: Any, step: int, delay_s: float) -> float:
+    await asyncio.sleep(delay_s)
+    await store.write(manifest_name(step), b"{}")
+    return time.monotonic()
+
+
+async def _until(predicate: Any, timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached"
+        await asyncio.sleep(0.02)
+
+
+def test_events_feed_sees_a_new_step(hub: Any, hf_store: Any, run: Any) -> None:
+    async def scenario() -> tuple[int | None, int | None, float, StepWatcher]:
+        await hf_store.write(manifest_name(1), b"{}")
+        watcher = StepWatcher(hf_store, probe_interval_s=60.0, listing_interval_s=600.0)
+        first = await watcher.wait_for_new(None, timeout_s=5.0)
+        await _until(lambda: watcher.stats.mode == "events")
+        publish = asyncio.create_task(_publish_later(hf_store, 2, 0.2))
+        second = await watcher.wait_for_new(1, timeout_s=10.0)
+        lag = time.monotonic() - await publish
+        await watcher.close()
+        return first, second, lag, watcher
+
+    first, second, lag, watcher = run(scenario())
+    assert (first, second) == (1, 2)
+    assert lag < 2.0  # the probe interval is 60 s: only the feed can explain this
+    assert watcher.stats.events_received >= 1 and watcher.stats.events_connects == 1
+    assert watcher.stats.probes == 0 and watcher.stats.listings == 1
+
+
+def test_polling_sees_a_new_step_when_the_feed_is_unavailable(
+    hub: Any, hf_store: Any, run: Any
+) -> None:
+    hub.faults.events_enabled = False
+
+    async def scenario() -> tuple[int | None, int | None, StepWatcher]:
+        await hf_store.write(manifest_name(7), b"{}")
+        watcher = StepWatcher(hf_store, probe_interval_s=0.1, listing_interval_s=600.0)
+        first = await watcher.wait_for_new(None, timeout_s=5.0)
+        publish = asyncio.create_task(_publish_later(hf_store, 8, 0.3))
+        second = await watcher.wait_for_new(7, timeout_s=5.0)
+        await publish
+        await watcher.close()
+        return first, second, watcher
+
+    first, second, watcher = run(scenario())
+    assert (first, second) == (7, 8)
+    assert watcher.stats.mode == "polling" and watcher.stats.events_unavailable == 1
+    assert watcher.stats.probe_hits == 1 and watcher.stats.listings == 1
+    probes = [r for r in hub.requests("resolve") if r["path"].endswith(manifest_name(8))]
+    # every probe but the last (of step 9, a miss) asked for step 8; + the write's own check
+    assert len(probes) == watcher.stats.probes
+    assert [r for r in hub.requests("resolve") if r["path"].endswith(manifest_name(9))]
+
+
+def test_probing_follows_the_publish_stride_and_catches_up(tmp_path: Any, run: Any) -> None:
+    store = open_store(f"memory://stride-{tmp_path.name}")
+
+    async def scenario() -> tuple[list[int | None], StepWatcher]:
+        for step in (10, 20):
+            await store.write(manifest_name(step), b"{}")
+        watcher = StepWatcher(store, probe_interval_s=0.05, listing_interval_s=600.0)
+        seen = [await watcher.wait_for_new(None, 2.0)]
+        publish = asyncio.create_task(_publish_later(store, 30, 0.2))
+        seen.append(await watcher.wait_for_new(20, 5.0))
+        await publish
+        for step in (40, 50):
+            await store.write(manifest_name(step), b"{}")
+        seen.append(await watcher.wait_for_new(30, 5.0))
+        seen.append(await watcher.wait_for_new(50, 0.3))
+        return seen, watcher
+
+    seen, watcher = run(scenario())
+    assert seen == [20, 30, 50, None]
+    assert watcher.stride == 10 and watcher.stats.listings == 1
+    assert watcher.stats.probe_hits == 3
+
+
+def test_empty_bucket_times_out(tmp_path: Any, run: Any) -> None:
+    store = open_store(f"file://{tmp_path}/empty")
+    watcher = StepWatcher(store, probe_interval_s=0.05, empty_listing_interval_s=0.1)
+    started = time.monotonic()
+    assert run(watcher.wait_for_new(None, 0.5)) is None
+    assert 0.45 < time.monotonic() - started < 2.0
+    assert watcher.stats.listings >= 3
