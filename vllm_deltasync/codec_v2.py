@@ -131,11 +131,17 @@ def _positions_of(t: torch.Tensor, value: int) -> torch.Tensor:
     return torch.nonzero(t == value).squeeze(1)
 
 
+_TABLES_ON_DEVICE: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+
 def _lookup(table: torch.Tensor, fields: torch.Tensor) -> torch.Tensor:
     """``table[fields]`` for uint8 ``fields``."""
     if fields.device.type == "cpu":
         return torch.from_numpy(np.take(table.numpy(), fields.numpy(), axis=0))
-    return table.to(fields.device).index_select(0, fields.to(torch.int64))
+    key = (id(table), fields.device)
+    if key not in _TABLES_ON_DEVICE:
+        _TABLES_ON_DEVICE[key] = table.to(fields.device)
+    return _TABLES_ON_DEVICE[key].index_select(0, fields.to(torch.int64))
 
 
 def _decode_gaps(roles: Mapping[str, torch.Tensor], meta: Mapping[str, Any], count: int) -> torch.Tensor:

@@ -1,0 +1,288 @@
+"""Codec benchmark: bytes per step and per changed element, encode/decode throughput vs memcpy.
+
+The deltas are real: a Llama-shaped model (``vllm_deltasync.toymodel``) trained with AdamW on
+fp32 master weights, published as bf16 (mixed precision, as RL trainers do); the delta of one
+step is every element whose bf16 bit pattern changed between two consecutive steps. Every
+codec encodes the same deltas. Throughput is single-threaded CPU time (``time.thread_time``),
+i.e. per core, and is compared with a memcpy of the same number of encoded bytes.
+
+    python -m benchmarks.bench_codec [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from vllm_deltasync.codec import Codec, get_codec
+
+LRS = (1e-6, 3e-6, 1e-5)
+CODECS = ("sparse-v1", "sparse-v2", "sparse-v2-zstd")
+WARMUP_STEPS = 3
+
+
+@dataclass
+class Delta:
+    """One optimizer step's change of a bf16 checkpoint."""
+
+    lr: float
+    old: dict[str, torch.Tensor]
+    new: dict[str, torch.Tensor]
+
+    def changed(self) -> dict[str, torch.Tensor]:
+        """name -> int64 flat indices of elements whose bf16 bits changed."""
+        out = {}
+        for name, old in self.old.items():
+            diff = old.view(-1).view(torch.int16) != self.new[name].view(-1).view(torch.int16)
+            out[name] = torch.nonzero(diff).flatten()
+        return out
+
+    @property
+    def numel(self) -> int:
+        return sum(t.numel() for t in self.old.values())
+
+
+def _model(quick: bool) -> torch.nn.Module:
+    shape = dict(hidden_size=256, num_layers=2, num_heads=8, num_kv_heads=4,
+                 intermediate_size=768, vocab_size=2048) if quick else dict(
+                 hidden_size=768, num_layers=4, num_heads=12, num_kv_heads=4,
+                 intermediate_size=2048, vocab_size=8192)
+    try:
+        from vllm_deltasync.toymodel import build_model, load_hf_model
+    except ImportError:
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        cfg = LlamaConfig(hidden_size=shape["hidden_size"], num_hidden_layers=shape["num_layers"],
+                          num_attention_heads=shape["num_heads"], num_key_value_heads=shape["num_kv_heads"],
+                          intermediate_size=shape["intermediate_size"], vocab_size=shape["vocab_size"])
+        return LlamaForCausalLM(cfg).float()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = build_model(tmp, "llama", **shape)  # type: ignore[arg-type]
+        return load_hf_model(path, dtype=torch.float32).train()
+
+
+def make_deltas(lrs: tuple[float, ...] = LRS, *, quick: bool = False, seed: int = 0) -> list[Delta]:
+    """One real AdamW step delta per learning rate, after ``WARMUP_STEPS`` steps."""
+    model = _model(quick)
+    start = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    vocab = model.config.vocab_size
+    batch, seq = (2, 64) if quick else (2, 128)
+    deltas = []
+    for lr in lrs:
+        model.load_state_dict(start)
+        gen = torch.Generator().manual_seed(seed)
+        opt = torch.optim.AdamW(model.parameters(), lr=lr)
+        snaps: list[dict[str, torch.Tensor]] = []
+        for _ in range(WARMUP_STEPS + 1):
+            ids = torch.randint(0, vocab, (batch, seq), generator=gen)
+            model(input_ids=ids, labels=ids).loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            snaps = [*snaps[-1:], {k: p.detach().to(torch.bfloat16) for k, p in model.named_parameters()}]
+        deltas.append(Delta(lr, snaps[0], snaps[1]))
+    return deltas
+
+
+def encode_all(codec: Codec, delta: Delta, changed: dict[str, torch.Tensor]) -> tuple[list, float]:
+    """[(roles, meta, count)] for every tensor, and the encode CPU seconds."""
+    out, seconds = [], 0.0
+    for name, idx in changed.items():
+        old, new = delta.old[name].view(-1)[idx], delta.new[name].view(-1)[idx]
+        t = time.thread_time()
+        roles, meta = codec.encode(idx, new, old)
+        seconds += time.thread_time() - t
+        out.append((roles, meta, idx.numel()))
+    return out, seconds
+
+
+def _nbytes(encoded: list) -> int:
+    return sum(t.numel() * t.element_size() for roles, _, _ in encoded for t in roles.values())
+
+
+def _best_cpu_s(fn: Callable[[], object], repeat: int) -> float:
+    best = float("inf")
+    for _ in range(repeat):
+        t = time.thread_time()
+        fn()
+        best = min(best, time.thread_time() - t)
+    return best
+
+
+def size_table(deltas: list[Delta]) -> tuple[str, dict[tuple[float, str], float]]:
+    rows = ["| lr | changed | " + " | ".join(f"{c} B/el | {c} step/full" for c in CODECS) + " |",
+            "|---|---|" + "---|---|" * len(CODECS)]
+    per_el: dict[tuple[float, str], float] = {}
+    for delta in deltas:
+        changed = delta.changed()
+        n = sum(i.numel() for i in changed.values())
+        cells = []
+        for name in CODECS:
+            nbytes = _nbytes(encode_all(get_codec(name), delta, changed)[0])
+            per_el[(delta.lr, name)] = nbytes / max(n, 1)
+            cells.append(f"{nbytes / max(n, 1):.3f} | {nbytes / (2 * delta.numel):.5f}")
+        rows.append(f"| {delta.lr:g} | {n:,} ({n / delta.numel:.2%}) | " + " | ".join(cells) + " |")
+    return "\n".join(rows), per_el
+
+
+def throughput_table(delta: Delta, repeat: int = 3) -> str:
+    """Encode/decode GB/s of encoded bytes per core, and the same bytes through memcpy."""
+    changed = delta.changed()
+    n = sum(i.numel() for i in changed.values())
+    rows = ["| codec | B/el | encode GB/s | decode GB/s | memcpy GB/s | decode ns/el | decode / memcpy |",
+            "|---|---|---|---|---|---|---|"]
+    for name in CODECS:
+        codec = get_codec(name)
+        encoded, enc_s = encode_all(codec, delta, changed)
+        nbytes = _nbytes(encoded)
+        dec_s = sum(_best_cpu_s(lambda r=r, m=m, c=c: codec.decode(r, m, c), repeat) for r, m, c in encoded)
+        src = torch.empty(nbytes, dtype=torch.uint8).random_(0, 255)
+        dst = torch.empty_like(src)
+        cpy_s = _best_cpu_s(lambda: dst.copy_(src), repeat * 3)
+        rows.append(f"| {name} | {nbytes / n:.3f} | {nbytes / enc_s / 1e9:.3f} | {nbytes / dec_s / 1e9:.3f} | "
+                    f"{nbytes / cpy_s / 1e9:.2f} | {dec_s / n * 1e9:.2f} | {cpy_s / dec_s:.3f} |")
+    return "\n".join(rows)
+
+
+def run(quick: bool = False) -> str:
+    """The codec section of RESULTS.md (Markdown)."""
+    torch.set_num_threads(1)
+    t0 = time.perf_counter()
+    deltas = make_deltas(quick=quick)
+    model_params = deltas[0].numel
+    sizes, _ = size_table(deltas)
+    thr = throughput_table(deltas[LRS.index(3e-6)])
+    gpu = gpu_apply_section(quick)
+    return (
+        f"### Codec size (one AdamW step, fp32 master -> bf16, {model_params / 1e6:.1f}M-parameter "
+        f"Llama-shaped model, {WARMUP_STEPS} warm-up steps)\n\n"
+        "B/el: encoded bytes per changed element; step/full: encoded bytes of the step / the full "
+        "bf16 checkpoint (payload bytes, safetensors headers and manifest excluded).\n\n"
+        f"{sizes}\n\n### Codec throughput (lr 3e-6 delta, one core, CPU time)\n\n{thr}\n\n{gpu}\n\n"
+        f"_codec benchmark: {time.perf_counter() - t0:.0f} s_\n"
+    )
+
+
+def gpu_apply_section(quick: bool) -> str:
+    """Decode + apply of a 1% sparse-v2 delta on 7B-shaped tensors, CUDA events; skipped w/o CUDA."""
+    if not torch.cuda.is_available():
+        return "### GPU decode + apply (7B shapes)\n\nskipped: no CUDA device on this machine."
+    return "### GPU decode + apply (7B shapes, 1% delta, TP=2 index translation)\n\n" + gpu_apply_table(
+        "cuda", quick=quick)
+
+
+def _llama_shapes(quick: bool) -> list[tuple[str, tuple[int, int], int]]:
+    """(name, full shape, TP split dim) of a Llama-2-7B (quick: a 1/16-wide, 2-layer one)."""
+    h, inter, vocab, layers = (256, 688, 2000, 2) if quick else (4096, 11008, 32000, 32)
+    out = [("model.embed_tokens.weight", (vocab, h), 0), ("lm_head.weight", (vocab, h), 0)]
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        out += [(p + "self_attn.q_proj.weight", (h, h), 0), (p + "self_attn.k_proj.weight", (h, h), 0),
+                (p + "self_attn.v_proj.weight", (h, h), 0), (p + "self_attn.o_proj.weight", (h, h), 1),
+                (p + "mlp.gate_proj.weight", (inter, h), 0), (p + "mlp.up_proj.weight", (inter, h), 0),
+                (p + "mlp.down_proj.weight", (h, inter), 1)]
+    return out
+
+
+def _tp_local(idx: torch.Tensor, shape: tuple[int, int], dim: int, rank: int, tp: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Checkpoint flat indices -> (selection mask, this rank's local flat indices)."""
+    rows, cols = shape
+    if dim == 0:
+        per = rows // tp * cols
+        keep = (idx >= rank * per) & (idx < (rank + 1) * per)
+        return keep, idx[keep] - rank * per
+    width = cols // tp
+    col = idx % cols
+    keep = (col >= rank * width) & (col < (rank + 1) * width)
+    sel = idx[keep]
+    return keep, (sel // cols) * width + (sel % cols - rank * width)
+
+
+def gpu_apply_table(device: str, *, quick: bool = False, density: float = 0.01, tp: int = 2) -> str:
+    """Decode (sparse-v2 on ``device``) + TP translation + in-place apply, rank 0 of ``tp``."""
+    dev = torch.device(device)
+    codec, gen = get_codec("sparse-v2"), torch.Generator().manual_seed(0)
+    work = []
+    for name, shape, dim in _llama_shapes(quick):
+        numel = shape[0] * shape[1]
+        idx = torch.nonzero(torch.rand(numel, generator=gen) < density).flatten()
+        old = (torch.randn(idx.numel(), generator=gen) * 0.02).to(torch.bfloat16)
+        diff = torch.randint(1, 3, (idx.numel(),), generator=gen, dtype=torch.int16)
+        new = (old.view(torch.int16) + diff * torch.where(torch.rand(idx.numel(), generator=gen) < 0.5, 1, -1).to(torch.int16))
+        roles, meta = codec.encode(idx, new.view(torch.bfloat16), old)
+        local_shape = (shape[0] // tp, shape[1]) if dim == 0 else (shape[0], shape[1] // tp)
+        param = torch.randn(local_shape, generator=gen).to(torch.bfloat16).to(dev)
+        work.append((name, shape, dim, roles, meta, idx.numel(), param))
+    return _time_apply(work, dev, tp)
+
+
+def _time_apply(work: list, dev: torch.device, tp: int) -> str:
+    cuda = dev.type == "cuda"
+    timer = _CudaTimer() if cuda else _WallTimer()
+    host = [{r: (t.pin_memory() if cuda else t) for r, t in roles.items()} for _, _, _, roles, _, _, _ in work]
+    probe = work[-1][6].clone()
+    codec = get_codec("sparse-v2")
+    enc_bytes = sum(t.numel() * t.element_size() for h in host for t in h.values())
+    changed = sum(w[5] for w in work)
+    timer.start()
+    on_dev = [{r: t.to(dev, non_blocking=True) for r, t in h.items()} for h in host]
+    t_copy = timer.lap()
+    decoded = [codec.decode(d, w[4], w[5]) for d, w in zip(on_dev, work)]
+    t_decode = timer.lap()
+    local = [_tp_local(i, w[1], w[2], 0, tp) for (i, _, _), w in zip(decoded, work)]
+    t_translate = timer.lap()
+    for (keep, li), (_, v, _), w in zip(local, decoded, work):
+        bits = w[6].view(-1).view(torch.int16)
+        bits.index_add_(0, li, v[keep])
+    t_apply = timer.lap()
+    keep, li = local[-1]
+    expect = probe.view(-1).view(torch.int16).index_add_(0, li, decoded[-1][1][keep])
+    if not torch.equal(expect, work[-1][6].view(-1).view(torch.int16)):
+        raise RuntimeError("GPU apply did not reproduce the expected bits")
+    params = sum(w[1][0] * w[1][1] for w in work)
+    total = t_copy + t_decode + t_translate + t_apply
+    return ("| params | changed | encoded MB | H2D ms | decode ms | TP translate ms | apply ms | total ms | decode GB/s |\n"
+            "|---|---|---|---|---|---|---|---|---|\n"
+            f"| {params / 1e6:,.1f}M | {changed / 1e6:.2f}M | {enc_bytes / 1e6:.2f} | {t_copy:.2f} | {t_decode:.2f} | "
+            f"{t_translate:.2f} | {t_apply:.2f} | {total:.2f} | {enc_bytes / t_decode / 1e6:.1f} |\n\n"
+            f"device: {torch.cuda.get_device_name(dev) if dev.type == 'cuda' else dev.type}; bits of the applied "
+            "shard checked against an independent index_add.")
+
+
+class _WallTimer:
+    def start(self) -> None:
+        self.t = time.perf_counter()
+
+    def lap(self) -> float:
+        now = time.perf_counter()
+        ms, self.t = (now - self.t) * 1e3, now
+        return ms
+
+
+class _CudaTimer:
+    def start(self) -> None:
+        torch.cuda.synchronize()
+        self.ev = torch.cuda.Event(enable_timing=True)
+        self.ev.record()
+
+    def lap(self) -> float:
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record()
+        ev.synchronize()
+        ms = self.ev.elapsed_time(ev)
+        self.ev = ev
+        return ms
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    print(run(parser.parse_args().quick))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,114 @@
+"""The one entry point of the benchmark suite: runs what applies here, writes RESULTS.md.
+
+    .venv/bin/python -m benchmarks.run [--quick] [--only codec,publisher] [--out benchmarks/RESULTS.md]
+
+Each benchmark is a module ``benchmarks/bench_<name>.py`` with ``run(quick: bool) -> str``
+(a Markdown section). A module that is missing, or whose dependencies are not installed on this
+machine, is listed as skipped with the reason; one that fails is listed with its error, and the
+others still run. The output names the date, the machine and the command, so one file holds
+ratios measured side by side in one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib
+import os
+import platform
+import shlex
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+BENCHMARKS = {
+    "codec": "bytes per changed element and per step (v1, v2), encode/decode vs memcpy, GPU apply",
+    "publisher": "publish() and upload cost per training step, bytes per step",
+    "apply": "engine pause per delta vs full reload_weights; peak extra host memory vs delta size",
+    "download": "download throughput vs plain parallel GET",
+}
+DEFAULT_OUT = Path(__file__).with_name("RESULTS.md")
+
+
+def machine() -> str:
+    """One line describing this machine."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+        mem = next(int(x.split()[1]) for x in Path("/proc/meminfo").read_text().splitlines()
+                   if x.startswith("MemTotal")) / 2**20
+    except (OSError, StopIteration):
+        mem = float("nan")
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
+    return (f"{cpu}, {os.cpu_count()} cores, {mem:.0f} GiB RAM, {gpu}; Python {platform.python_version()}, "
+            f"torch {torch.__version__}, {platform.system()} {platform.release()}")
+
+
+def run_one(name: str, quick: bool) -> tuple[str, str]:
+    """(status, Markdown body) of one benchmark; status is ok, skipped or failed."""
+    try:
+        module = importlib.import_module(f"benchmarks.bench_{name}")
+    except ModuleNotFoundError as exc:
+        missing = exc.name or str(exc)
+        what = "not written yet" if missing == f"benchmarks.bench_{name}" else f"needs {missing!r}"
+        return "skipped", f"skipped: {what} ({exc})"
+    except ImportError as exc:
+        return "skipped", f"skipped: a dependency is missing ({exc})"
+    try:
+        t0 = time.perf_counter()
+        body = module.run(quick)
+        return "ok", f"{body.rstrip()}\n\n_{name}: {time.perf_counter() - t0:.0f} s_"
+    except Exception as exc:  # keep running the others; the file records the failure
+        tb = traceback.format_exc(limit=4)
+        return "failed", f"failed: {type(exc).__name__}: {exc}\n\n```\n{tb}```"
+
+
+def render(results: dict[str, tuple[str, str]], argv: list[str], started: datetime.datetime,
+           seconds: float) -> str:
+    lines = [
+        "# Benchmark results",
+        "",
+        f"- date: {started.strftime('%Y-%m-%d %H:%M UTC')}",
+        f"- machine: {machine()}",
+        f"- command: `{shlex.join(['python', '-m', 'benchmarks.run', *argv])}` ({seconds:.0f} s)",
+        "- produced by `benchmarks/run.py` in one run; regenerate with the same command.",
+        "",
+        "| benchmark | status | measures |",
+        "|---|---|---|",
+    ]
+    lines += [f"| {n} | {status} | {BENCHMARKS[n]} |" for n, (status, _) in results.items()]
+    for name, (_, body) in results.items():
+        lines += ["", f"## {name}", "", body]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = argparse.ArgumentParser(description="Run every benchmark that applies here.")
+    parser.add_argument("--quick", action="store_true", help="small sizes (a smoke test, minutes)")
+    parser.add_argument("--only", default="", help=f"comma-separated subset of {','.join(BENCHMARKS)}")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    args = parser.parse_args(argv)
+    names = [n for n in args.only.split(",") if n] or list(BENCHMARKS)
+    unknown = sorted(set(names) - set(BENCHMARKS))
+    if unknown:
+        parser.error(f"unknown benchmark(s) {unknown}; choose from {sorted(BENCHMARKS)}")
+    started, t0 = datetime.datetime.now(datetime.timezone.utc), time.perf_counter()
+    results = {}
+    for name in names:
+        print(f"[benchmarks] {name} ...", file=sys.stderr, flush=True)
+        results[name] = run_one(name, args.quick)
+        print(f"[benchmarks] {name}: {results[name][0]}", file=sys.stderr, flush=True)
+    args.out.write_text(render(results, argv, started, time.perf_counter() - t0))
+    print(f"[benchmarks] wrote {args.out}", file=sys.stderr)
+    return 0 if all(status != "failed" for status, _ in results.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
