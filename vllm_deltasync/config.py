@@ -26,7 +26,7 @@ from .errors import ConfigError
 ENV_PREFIX = "VLLM_DELTASYNC_"
 ADDITIONAL_CONFIG_KEY = "deltasync"
 
-OnStart = Literal["catch_up", "wait", "anchor"]
+OnStart = Literal["catch_up", "wait"]
 InFlight = Literal["continue", "drain"]
 
 
@@ -49,10 +49,14 @@ class SyncConfig:
     than this is still staged when nothing else is (alone), so a big anchor cannot block."""
 
     on_start: OnStart = "catch_up"
-    """``catch_up``: apply the newest step as soon as it is staged (the checkpoint the engine
-    loaded is taken to be the bucket's first anchor or older). ``wait``: serve the loaded
-    checkpoint and apply only steps published after start. ``anchor``: ignore deltas until an
-    anchor has been applied (use when the loaded checkpoint is not in the bucket's history)."""
+    """``catch_up``: go to the newest committed step as soon as it is staged. ``wait``: keep
+    serving the loaded checkpoint until a step newer than the newest at start is committed.
+    Either way the first step applied is reached through its anchor (the version of the loaded
+    checkpoint is unknown), unless ``loaded_step`` says which step it is."""
+
+    loaded_step: int | None = None
+    """The bucket step the checkpoint vLLM loaded is bit-identical to (e.g. the trainer saved
+    it at that step). Deltas then apply on it directly, without downloading an anchor first."""
 
     in_flight: InFlight = "continue"
     """What running requests do at a switch. ``continue``: they keep generating on the new
@@ -69,12 +73,12 @@ class SyncConfig:
     max_drain_wait_s: float = 60.0
     """With ``in_flight="drain"``: longest wait for running requests before switching anyway."""
 
-    status_port: int | None = None
-    """If set, the engine core serves ``GET /deltasync/status`` (JSON) on this port (loopback
-    unless ``status_host`` says otherwise). ``0`` picks a free port (logged)."""
+    metrics_port: int = 9464
+    """The engine core serves ``GET /metrics`` (Prometheus) and ``GET /synced`` (JSON: each
+    rank's applied step, newest step, last error) on this port; ``0`` turns it off."""
 
-    status_host: str = "127.0.0.1"
-    """Address the status endpoint listens on."""
+    metrics_host: str = "0.0.0.0"
+    """Address the metrics endpoint listens on."""
 
     debug_ring_size: int = 4096
     """Model steps remembered per rank with the weight version they ran on (``deltasync_trace``)."""
@@ -89,14 +93,16 @@ class SyncConfig:
                   "max_chain", "debug_ring_size")
         if self.max_drain_wait_s < 0:
             raise ConfigError(f"deltasync max_drain_wait_s={self.max_drain_wait_s} must be >= 0")
-        if self.on_start not in ("catch_up", "wait", "anchor"):
-            raise ConfigError(
-                f"deltasync on_start={self.on_start!r}: use 'catch_up', 'wait' or 'anchor'"
-            )
+        if self.on_start not in ("catch_up", "wait"):
+            raise ConfigError(f"deltasync on_start={self.on_start!r}: use 'catch_up' or 'wait'")
+        if self.loaded_step is not None and self.loaded_step < 0:
+            raise ConfigError(f"deltasync loaded_step={self.loaded_step} must be >= 0")
         if self.in_flight not in ("continue", "drain"):
             raise ConfigError(f"deltasync in_flight={self.in_flight!r}: use 'continue' or 'drain'")
-        if self.status_port is not None and not 0 <= self.status_port < 65536:
-            raise ConfigError(f"deltasync status_port={self.status_port} is not a TCP port")
+        if not 0 <= self.metrics_port < 65536:
+            raise ConfigError(
+                f"deltasync metrics_port={self.metrics_port}: use 1-65535, or 0 for off"
+            )
 
     def __repr__(self) -> str:
         shown = ", ".join(

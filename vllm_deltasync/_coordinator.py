@@ -1,0 +1,191 @@
+"""The engine-core side of the switch: when every rank has the same step staged, apply it.
+
+Runs on the engine core's busy-loop thread, between two scheduler steps (the extension's
+plugin calls :meth:`Coordinator.tick` when the private wake-up it queued is handled). It talks
+to the ranks only through ``engine.collective_rpc``, which every worker executes in order with
+``execute_model``: an apply broadcast between two steps lands on all ranks between the same two
+model steps. No vLLM import here; the engine object and vLLM's ``PauseState`` are passed in.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from .config import SyncConfig
+from .manifest import SCHEMA_VERSION
+from .metrics import MetricsServer, SyncMetrics
+
+logger = logging.getLogger(__name__)
+
+
+def common_ready_step(statuses: Sequence[Mapping[str, Any]]) -> int | None:
+    """The newest step every rank has staged on top of the same applied step, or None."""
+    if not statuses or len({s.get("applied_step") for s in statuses}) != 1:
+        return None
+    lists = [list(s.get("ready_steps") or ()) for s in statuses]
+    common: int | None = None
+    for steps in zip(*lists, strict=False):
+        if len(set(steps)) != 1:
+            break
+        common = steps[0]
+    return common
+
+
+class Coordinator:
+    """Decides when all ranks switch; resets the prefix cache; sets the weight version."""
+
+    def __init__(self, engine: Any, config: SyncConfig, *, wake: Callable[[], None],
+                 pause_states: Any) -> None:
+        self.engine = engine
+        self.config = config
+        self._wake = wake
+        self._pause = pause_states
+        self.metrics = SyncMetrics(bucket_url=config.url, format_version=SCHEMA_VERSION)
+        self.server: MetricsServer | None = None
+        self.switches: collections.deque[dict[str, Any]] = collections.deque(maxlen=256)
+        self.statuses: list[dict[str, Any]] = []
+        self.last_error: str | None = None
+        self.active = False
+        self._stop = threading.Event()
+        self._timer: threading.Thread | None = None
+        self._drain_since: float | None = None
+        self._paused_by_us = False
+        self._held_after_failure = False
+
+    # ----------------------------------------------------------------- lifecycle
+    def start(self) -> None:
+        """Start every rank's poller, the metrics endpoint and the wake-up timer."""
+        try:
+            self.statuses = list(self.engine.collective_rpc("deltasync_start"))
+        except Exception as exc:  # noqa: BLE001 - the server keeps serving its checkpoint
+            self.last_error = f"{type(exc).__name__}: {exc}"
+            logger.error("deltasync could not start; the engine serves its loaded checkpoint "
+                         "and applies no step: %s", self.last_error)
+            return
+        self.active = True
+        if self.config.metrics_port:
+            try:
+                self.server = self.metrics.start_server(self.config.metrics_port,
+                                                        self.config.metrics_host)
+            except Exception as exc:  # noqa: BLE001 - metrics are optional
+                logger.error("deltasync metrics endpoint not started: %s", exc)
+        self._timer = threading.Thread(target=self._run_timer, name="deltasync-wake",
+                                       daemon=True)
+        self._timer.start()
+        logger.info("deltasync following %s with %d rank(s), poll every %.2fs",
+                    self.config.redacted_url(), len(self.statuses), self.config.poll_interval_s)
+
+    def close(self) -> None:
+        self._stop.set()
+        if self.server is not None:
+            self.server.close()
+            self.server = None
+
+    def _run_timer(self) -> None:
+        while not self._stop.wait(self.config.poll_interval_s):
+            try:
+                self._wake()
+            except Exception:  # noqa: BLE001 - queue gone: the engine is shutting down
+                return
+
+    # ---------------------------------------------------------------------- tick
+    def tick(self) -> None:
+        """Busy-loop thread, between scheduler steps."""
+        if not self.active:
+            return
+        try:
+            self._tick()
+        except Exception as exc:  # noqa: BLE001 - never take the engine down
+            self.last_error = f"{type(exc).__name__}: {exc}"
+            logger.exception("deltasync tick failed")
+
+    def _tick(self) -> None:
+        self.statuses = list(self.engine.collective_rpc("deltasync_status"))
+        self.metrics.update(self.statuses)
+        step = common_ready_step(self.statuses)
+        if step is None:
+            self._release_drain()
+            return
+        if self.config.in_flight == "drain" and not self._drained():
+            return
+        self._switch(step)
+
+    def _drained(self) -> bool:
+        sched = self.engine.scheduler
+        if not sched.has_unfinished_requests():
+            return True
+        now = time.monotonic()
+        if self._drain_since is None:
+            self._drain_since = now
+            if sched.pause_state == self._pause.UNPAUSED:
+                sched.set_pause_state(self._pause.PAUSED_NEW)
+                self._paused_by_us = True
+        if now - self._drain_since >= self.config.max_drain_wait_s:
+            logger.warning("deltasync: requests still running after %.1fs of drain; switching",
+                           now - self._drain_since)
+            return True
+        return False
+
+    def _release_drain(self) -> None:
+        self._drain_since = None
+        if self._paused_by_us:
+            self.engine.scheduler.set_pause_state(self._pause.UNPAUSED)
+            self._paused_by_us = False
+
+    def _switch(self, step: int) -> None:
+        started = time.perf_counter()
+        results = list(self.engine.collective_rpc("deltasync_apply", args=(step,)))
+        pause_s = time.perf_counter() - started
+        failed = [r for r in results if not r.get("ok")]
+        if self.config.reset_prefix_cache or failed:
+            self.engine.reset_prefix_cache(reset_running_requests=True)
+        if failed:
+            self._on_failure(step, failed)
+            return
+        if self._held_after_failure:
+            self.engine.scheduler.set_pause_state(self._pause.UNPAUSED)
+            self._held_after_failure = False
+        self.engine.set_weight_version(str(step))
+        self._release_drain()
+        self.metrics.observe_switch(step, pause_s)
+        self.last_error = None
+        record = {"step": step, "pause_s": pause_s, "at": time.time(),
+                  "steps": results[0].get("steps"),
+                  "apply_s": [r.get("apply_s") for r in results],
+                  "downloaded_bytes": [r.get("downloaded_bytes") for r in results],
+                  "changed": results[0].get("changed"), "numel": results[0].get("numel")}
+        self.switches.append(record)
+        logger.info("deltasync switched step=%d ranks=%d pause=%.4fs", step, len(results),
+                    pause_s)
+
+    def _on_failure(self, step: int, failed: list[Mapping[str, Any]]) -> None:
+        """Some rank could not apply: hold scheduling, send every rank back to an anchor."""
+        self.last_error = f"step {step}: " + "; ".join(
+            f"rank {r.get('rank')}: {r.get('error')}" for r in failed)
+        logger.error("deltasync switch failed, holding requests until an anchor applies: %s",
+                     self.last_error)
+        self.engine.collective_rpc("deltasync_reset", args=(self.last_error,))
+        self.engine.set_weight_version("inconsistent")
+        self.engine.scheduler.set_pause_state(self._pause.PAUSED_ALL)
+        self._held_after_failure = True
+
+    def engine_status(self) -> dict[str, Any]:
+        """What the engine core knows (``call_utility("deltasync_engine_status")``)."""
+        return {
+            "active": self.active,
+            "weight_version": self.engine.get_weight_version(),
+            "switches": list(self.switches),
+            "last_error": self.last_error,
+            "ranks": [{k: s.get(k) for k in ("rank", "applied_step", "staged_step",
+                                             "newest_step", "last_error")}
+                      for s in self.statuses],
+            "metrics_port": self.server.port if self.server is not None else None,
+        }
+
+
+__all__ = ["Coordinator", "common_ready_step"]
