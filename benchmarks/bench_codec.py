@@ -139,10 +139,11 @@ def throughput_table(delta: Delta, repeat: int = 3) -> str:
         codec = get_codec(name)
         encoded, enc_s = encode_all(codec, delta, changed)
         nbytes = _nbytes(encoded)
-        dec_s = sum(_best_cpu_s(lambda r=r, m=m, c=c: codec.decode(r, m, c), repeat) for r, m, c in encoded)
+        dec_s = sum(_best_cpu_s(lambda r=r, m=m, c=c, k=codec: k.decode(r, m, c), repeat)
+                    for r, m, c in encoded)
         src = torch.empty(nbytes, dtype=torch.uint8).random_(0, 255)
         dst = torch.empty_like(src)
-        cpy_s = _best_cpu_s(lambda: dst.copy_(src), repeat * 3)
+        cpy_s = _best_cpu_s(lambda s=src, d=dst: d.copy_(s), repeat * 3)
         rows.append(f"| {name} | {nbytes / n:.3f} | {nbytes / enc_s / 1e9:.3f} | {nbytes / dec_s / 1e9:.3f} | "
                     f"{nbytes / cpy_s / 1e9:.2f} | {dec_s / n * 1e9:.2f} | {cpy_s / dec_s:.3f} |")
     return "\n".join(rows)
@@ -231,11 +232,11 @@ def _time_apply(work: list, dev: torch.device, tp: int) -> str:
     timer.start()
     on_dev = [{r: t.to(dev, non_blocking=True) for r, t in h.items()} for h in host]
     t_copy = timer.lap()
-    decoded = [codec.decode(d, w[4], w[5]) for d, w in zip(on_dev, work)]
+    decoded = [codec.decode(d, w[4], w[5]) for d, w in zip(on_dev, work, strict=True)]
     t_decode = timer.lap()
-    local = [_tp_local(i, w[1], w[2], 0, tp) for (i, _, _), w in zip(decoded, work)]
+    local = [_tp_local(i, w[1], w[2], 0, tp) for (i, _, _), w in zip(decoded, work, strict=True)]
     t_translate = timer.lap()
-    for (keep, li), (_, v, _), w in zip(local, decoded, work):
+    for (keep, li), (_, v, _), w in zip(local, decoded, work, strict=True):
         bits = w[6].view(-1).view(torch.int16)
         bits.index_add_(0, li, v[keep])
     t_apply = timer.lap()
