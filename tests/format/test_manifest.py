@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -108,3 +109,10 @@ def test_fingerprint_depends_on_names_shapes_dtypes_not_order() -> None:
     assert fingerprint(a) != fingerprint([("x", (3, 2), "bfloat16"), ("y", (4,), "bfloat16")])
     assert fingerprint(a) != fingerprint([("x", (2, 3), "bfloat16"), ("z", (4,), "bfloat16")])
     assert fingerprint(a) != fingerprint([("x", (2, 3), "float16"), ("y", (4,), "bfloat16")])
+
+
+def test_fingerprint_matches_the_documented_example() -> None:
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "format.md").read_text()
+    value = fingerprint([("b", (3,), "bfloat16"), ("a", (2, 2), "bfloat16")])
+    assert value == "sha256:e7c3abe30d07e833b4dafc23a969a69ef661d5c12708e058e3437a5b3c37d54e"
+    assert value in doc
