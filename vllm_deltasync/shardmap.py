@@ -368,18 +368,24 @@ def _sparse_piece(
     if z <= a:
         return None
     sub, vals = indices[a:z], values[a:z]
+    if len(b.sizes) == 1 and b.src_strides[0] == 1:  # one range: a shift (and a scale)
+        d = b.dst_strides[0]
+        local = sub + (b.dst_offset - lo) if d == 1 else (sub - lo) * d + b.dst_offset
+        return Piece(target.param, local, vals, relative=relative)
     rest = sub - lo
-    local = torch.full_like(sub, b.dst_offset)
+    local = None
     keep: torch.Tensor | None = None
     for k, (n, s, d) in enumerate(zip(b.sizes, b.src_strides, b.dst_strides, strict=True)):
         q = torch.div(rest, s, rounding_mode="floor") if s != 1 else rest
         if k:
-            inside = q < n
-            keep = inside if keep is None else keep & inside
-        rest = rest - q * s
-        local += q * d
+            keep = q < n if keep is None else keep & (q < n)
+        if s != 1:
+            rest = rest - q * s
+        local = q * d if local is None else local + (q * d if d != 1 else q)
     if b.src_strides[-1] != 1:
         keep = rest == 0 if keep is None else keep & (rest == 0)
+    assert local is not None
+    local = local + b.dst_offset if b.dst_offset else local
     if keep is not None:
         local, vals = local[keep], vals[keep]
         if local.numel() == 0:

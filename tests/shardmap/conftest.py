@@ -16,6 +16,7 @@ import contextlib
 import hashlib
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -37,6 +38,17 @@ COMMON = dict(
     hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=8,
     max_position_embeddings=128, torch_dtype="bfloat16",
 )
+# 7B shapes with one decoder layer, recorded at TP=2 for the GPU test (which has no vLLM).
+SEVEN_B: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama2_7b": ("LlamaConfig", dict(
+        vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_attention_heads=32,
+        num_key_value_heads=32, num_hidden_layers=32)),
+    "qwen2_7b": ("Qwen2Config", dict(
+        vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_attention_heads=28,
+        num_key_value_heads=4, num_hidden_layers=28)),
+}
+RECORDED = Path(__file__).parent / "data"
+
 VLLM_CLASSES = {
     "LlamaConfig": ("vllm.model_executor.models.llama", "LlamaForCausalLM"),
     "Qwen2Config": ("vllm.model_executor.models.qwen2", "Qwen2ForCausalLM"),
@@ -76,8 +88,14 @@ class TPWorld:
             import transformers
             from vllm.config import ModelConfig, VllmConfig
 
-            cfg_name, kw = MODELS[kind]
-            cfg = getattr(transformers, cfg_name)(**COMMON, **kw)
+            if kind in MODELS:
+                cfg_name, kw = MODELS[kind]
+                cfg = getattr(transformers, cfg_name)(**{**COMMON, **kw})
+            else:  # 7B shapes, one layer (params are torch.empty: no pages touched)
+                cfg_name, kw = SEVEN_B[kind]
+                cfg = getattr(transformers, cfg_name)(
+                    **{**kw, "num_hidden_layers": 1, "torch_dtype": "bfloat16"}
+                )
             path = self.tmp / kind
             cfg.save_pretrained(path)
             mc = ModelConfig(model=str(path), dtype="bfloat16", skip_tokenizer_init=True,
