@@ -35,10 +35,11 @@ def hook_missing() -> str | None:
     if "metrics_port" not in {f.name for f in dataclasses.fields(config.SyncConfig)}:
         return ("extension glue missing: SyncConfig has no metrics_port field, so nothing starts "
                 "SyncMetrics.start_server (see the glue section of vllm_deltasync/metrics.py)")
-    source = (Path(config.__file__).parent / "extension.py").read_text()
-    if "SyncMetrics" not in source:
-        return ("extension glue missing: extension.py never builds metrics.SyncMetrics nor calls "
-                "update(statuses) each tick (see vllm_deltasync/metrics.py)")
+    package = Path(config.__file__).parent
+    sources = [p.read_text() for p in package.glob("*.py") if p.name not in ("metrics.py",)]
+    if not any("SyncMetrics(" in s and ".update(" in s for s in sources):
+        return ("extension glue missing: no engine-core module builds metrics.SyncMetrics and "
+                "calls update(statuses) each tick (see vllm_deltasync/metrics.py)")
     return None
 
 
