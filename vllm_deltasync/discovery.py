@@ -77,13 +77,21 @@ class WatcherStats:
 
 
 class StepWatcher:
-    """Tells the poller when a newer committed step exists in ``store``."""
+    """Tells the poller when a newer committed step exists in ``store``.
+
+    Options (defaults keep 32 replicas on one Hub token well under the free tier, see
+    docs/transports.md): ``probe_interval_s`` between probes when there is no feed;
+    ``listing_interval_s`` between safety-net listings once a step is known (and
+    ``empty_listing_interval_s`` while the bucket has none); ``use_events`` to follow the
+    store's feed when it has one, ``events_retry_s`` before trying an unavailable feed again,
+    ``events_min_connect_interval_s`` between feed connections; ``retry_policy`` for backoff.
+    """
 
     def __init__(
         self,
         store: Store,
         *,
-        probe_interval_s: float = 5.0,
+        probe_interval_s: float = 10.0,
         listing_interval_s: float = 600.0,
         empty_listing_interval_s: float = 30.0,
         use_events: bool = True,

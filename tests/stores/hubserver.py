@@ -106,7 +106,7 @@ class HubServer:
 
     async def _start(self) -> None:
         self._changed = asyncio.Event()
-        api, cdn = web.Application(), web.Application()
+        api, cdn = web.Application(client_max_size=1 << 30), web.Application()
         b = "/api/buckets/{ns}/{name}"
         api.router.add_get(b, self._info)
         api.router.add_get(b + "/tree", self._tree)
@@ -132,6 +132,11 @@ class HubServer:
     async def _stop(self) -> None:
         for runner in self._runners:
             await runner.cleanup()
+        current = asyncio.current_task()
+        leftovers = [t for t in asyncio.all_tasks() if t is not current]
+        for task in leftovers:  # open event feeds
+            task.cancel()
+        await asyncio.gather(*leftovers, return_exceptions=True)
 
     # -- test helpers (any thread) -----------------------------------------------------------
 
@@ -412,3 +417,30 @@ def _parse_range(value: str | None, size: int) -> tuple[int, int]:
     start = int(first)
     end = min(size, int(last) + 1) if last else size
     return start, end
+
+
+def main() -> None:
+    """Serve in this process (used by benchmarks/ to keep the server off the client's GIL).
+
+    Prints one JSON line ``{"endpoint", "cdn", "token"}``; stops when stdin closes.
+    """
+    import argparse
+    import sys
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--bucket", action="append", default=[])
+    parser.add_argument("--cdn-bytes-per-s", type=float, default=None)
+    args = parser.parse_args()
+    with HubServer() as server:
+        server.faults.cdn_bytes_per_s = args.cdn_bytes_per_s
+        for bucket in args.bucket:
+            server.create_bucket(bucket)
+        print(
+            json.dumps({"endpoint": server.endpoint, "cdn": server.cdn, "token": server.token}),
+            flush=True,
+        )
+        sys.stdin.read()
+
+
+if __name__ == "__main__":
+    main()

@@ -19,7 +19,25 @@ from dataclasses import dataclass
 from ..errors import TransientStoreError
 from ._retry import RateGate, RetryPolicy, retry
 
-FetchRange = Callable[[int, "int | None", bytearray], Awaitable["int | None"]]
+
+class Chunks:
+    """Bytes of one range as they arrive, kept as a list (joined once at the end, no regrowth)."""
+
+    __slots__ = ("parts", "size")
+
+    def __init__(self) -> None:
+        self.parts: list[bytes] = []
+        self.size = 0
+
+    def extend(self, chunk: bytes) -> None:
+        self.parts.append(chunk)
+        self.size += len(chunk)
+
+    def __len__(self) -> int:
+        return self.size
+
+
+FetchRange = Callable[[int, "int | None", Chunks], Awaitable["int | None"]]
 """``fetch(start, end, buf)``: append bytes ``[start, end)`` (to the end when None) to ``buf``
 while they arrive; return the object's total size if known. Raise ``TransientStoreError``
 when the body is cut short (what arrived stays in ``buf``)."""
@@ -43,30 +61,30 @@ class RangedReader:
         if end is not None and end <= start:
             return b""
         first_end = start + self.part_size if end is None else min(end, start + self.part_size)
-        first = bytearray()
+        first = Chunks()
         total = await self._part(start, first_end, first)
         if end is None:
             if total is None:  # full body answered (no Content-Range): it is all there
-                return bytes(first)
+                return b"".join(first.parts)
             end = total
         if end <= start + len(first):
-            return bytes(first[: max(0, end - start)])
-        return bytes(first) + await self._rest(start + len(first), end)
+            return b"".join(first.parts)[: max(0, end - start)]
+        rest = await self._rest(start + len(first), end)
+        return b"".join([*first.parts, *(part for chunks in rest for part in chunks.parts)])
 
-    async def _rest(self, start: int, end: int) -> bytes:
+    async def _rest(self, start: int, end: int) -> list[Chunks]:
         bounds = [(a, min(a + self.part_size, end)) for a in range(start, end, self.part_size)]
         limiter = asyncio.Semaphore(self.max_parallel_parts)
 
-        async def one(a: int, b: int) -> bytearray:
+        async def one(a: int, b: int) -> Chunks:
             async with limiter:
-                buf = bytearray()
+                buf = Chunks()
                 await self._part(a, b, buf)
                 return buf
 
-        parts = await asyncio.gather(*(one(a, b) for a, b in bounds))
-        return b"".join(parts)
+        return list(await asyncio.gather(*(one(a, b) for a, b in bounds)))
 
-    async def _part(self, start: int, end: int, buf: bytearray) -> int | None:
+    async def _part(self, start: int, end: int, buf: Chunks) -> int | None:
         async def attempt() -> int | None:
             if buf and self.on_resume is not None:
                 self.on_resume(len(buf))
@@ -90,4 +108,4 @@ def range_header(start: int, end: int | None) -> str:
     return f"bytes={start}-" if end is None else f"bytes={start}-{end - 1}"
 
 
-__all__ = ["FetchRange", "RangedReader", "parse_content_range", "range_header"]
+__all__ = ["Chunks", "FetchRange", "RangedReader", "parse_content_range", "range_header"]

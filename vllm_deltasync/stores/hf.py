@@ -39,7 +39,7 @@ from yarl import URL
 
 from ..errors import ConfigError, NotFoundError, StoreError, TransientStoreError
 from ._hfhttp import connection_error, error_for_response, hub_error, parse_sse
-from ._parts import RangedReader, parse_content_range, range_header
+from ._parts import Chunks, RangedReader, parse_content_range, range_header
 from ._retry import RateGate, RetryPolicy, retry
 from .base import ObjectInfo, Store
 from .local import check_path
@@ -104,7 +104,7 @@ class HfStore(Store):
         retry_policy: RetryPolicy | None = None,
         part_size: int = 16 << 20,
         max_parallel_parts: int = 8,
-        request_timeout_s: float = 60.0,
+        request_timeout_s: float | None = 60.0,
         environ: Mapping[str, str] | None = None,
     ) -> None:
         super().__init__()
@@ -326,7 +326,7 @@ class HfStore(Store):
         return url
 
     async def _fetch(
-        self, url: str, start: int, end: int | None, buf: bytearray, what: str
+        self, url: str, start: int, end: int | None, buf: Chunks, what: str
     ) -> int | None:
         headers = {**self._auth(url), "Range": range_header(start, end)}
         try:
@@ -345,7 +345,7 @@ class HfStore(Store):
                     raise StoreError(
                         f"{what}: the server ignored the Range header; cannot read parts"
                     )
-                async for chunk in resp.content.iter_chunked(1 << 18):
+                async for chunk in resp.content.iter_any():
                     buf.extend(chunk)
                 total = parse_content_range(resp.headers.get("Content-Range"))
                 return total if resp.status == 206 else None

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..errors import AlreadyExistsError, ConfigError, NotFoundError, StoreError
-from ._parts import RangedReader, parse_content_range, range_header
+from ._parts import Chunks, RangedReader, parse_content_range, range_header
 from ._retry import RetryPolicy, retry
 from ._s3errors import s3_error
 from .base import ObjectInfo, Store
@@ -218,7 +218,7 @@ class S3Store(Store):
         return data
 
     async def _fetch(
-        self, path: str, start: int, end: int | None, buf: bytearray, what: str
+        self, path: str, start: int, end: int | None, buf: Chunks, what: str
     ) -> int | None:
         client = await self._s3()
         try:
