@@ -78,7 +78,9 @@ async def _project(info: dict[str, str], paths: list[str], **options: Any) -> in
 
 
 async def _plain(info: dict[str, str], paths: list[str]) -> int:
-    headers = {"Authorization": f"Bearer {info['token']}"}  # aiohttp drops it on the cross-origin hop
+    headers = {
+        "Authorization": f"Bearer {info['token']}"
+    }  # aiohttp drops it on the cross-origin hop
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=connector) as session:
 
@@ -97,7 +99,9 @@ async def _time(call: Any) -> float:
     return total / (time.perf_counter() - started) / 1e6
 
 
-async def _throughput_rows(info: dict[str, str], paths: list[str], repeats: int, small_part: int) -> dict[str, float]:
+async def _throughput_rows(
+    info: dict[str, str], paths: list[str], repeats: int, small_part: int
+) -> dict[str, float]:
     runs: dict[str, list[float]] = {"plain": [], "project": [], "small": []}
     for _ in range(repeats):  # interleaved, so drift hits every client alike
         runs["plain"].append(await _time(_plain(info, paths)))
@@ -109,15 +113,21 @@ async def _throughput_rows(info: dict[str, str], paths: list[str], repeats: int,
 def _throughput(quick: bool) -> tuple[str, float]:
     n_files, size, rate = (4, 4 << 20, 8e6) if quick else (8, 16 << 20, 25e6)
     repeats = 2 if quick else 3
-    files = {f"data/000000000001-bench/{i:05d}.safetensors": os.urandom(size) for i in range(n_files)}
+    files = {
+        f"data/000000000001-bench/{i:05d}.safetensors": os.urandom(size) for i in range(n_files)
+    }
     command = [sys.executable, str(HUBSERVER), "--bucket", BUCKET, "--cdn-bytes-per-s", str(rate)]
-    with subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) as server:
+    with subprocess.Popen(
+        command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    ) as server:
         assert server.stdout is not None and server.stdin is not None
         info = json.loads(server.stdout.readline())
 
         async def measure() -> dict[str, float]:
             await _upload(info, files)
-            return await _throughput_rows(info, list(files), repeats, small_part=max(1 << 20, size // 4))
+            return await _throughput_rows(
+                info, list(files), repeats, small_part=max(1 << 20, size // 4)
+            )
 
         rows = asyncio.run(measure())
         server.stdin.close()
