@@ -33,7 +33,7 @@ import torch
 
 from ._bridge import BackgroundLoop, default_loop
 from .codec import get_codec
-from .errors import ConfigError, PublishError
+from .errors import ConfigError, FormatError, PublishError
 from .manifest import Kind, Manifest, fingerprint, parse_manifest_path
 from .stores import Store, open_store
 from .writer import StepItem, retain, write_step
@@ -104,7 +104,11 @@ class DeltaPublisher:
             timeout_s: limit for one store operation seen from the upload thread.
         """
         _check_options(anchor_every, keep_anchors, max_file_bytes, max_pending_steps)
-        if get_codec(codec).dense:
+        try:
+            dense = get_codec(codec).dense
+        except FormatError as exc:
+            raise ConfigError(f"DeltaPublisher: {exc}") from exc
+        if dense:
             raise ConfigError(f"codec {codec!r} is dense; deltas need a sparse codec such as 'sparse-v1'")
         self.url = url
         self.anchor_every = anchor_every

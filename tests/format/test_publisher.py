@@ -113,7 +113,7 @@ def test_bad_input_names_the_tensor_and_the_fix(bucket: str) -> None:
             pub.publish(1, {**w, "lm_head.weight": w["lm_head.weight"].half()})
         pub.publish(1, w)  # the failed calls changed nothing
     assert manifest_steps(Path(bucket[7:])) == [0, 1]
-    for kwargs in ({"anchor_every": 0}, {"keep_anchors": 0}, {"codec": "dense"}):
+    for kwargs in ({"anchor_every": 0}, {"keep_anchors": 0}, {"codec": "dense"}, {"codec": "nope"}):
         with pytest.raises(ConfigError):
             DeltaPublisher(bucket, **kwargs)  # type: ignore[arg-type]
 
@@ -190,3 +190,14 @@ def test_retention_keeps_the_newest_chains_and_drops_orphans(bucket: str) -> Non
     assert anchors == [14, 17] and steps == list(range(14, 20))
     dirs = data_dirs(root)
     assert len(dirs) == 7 and "000000000003-dead" not in dirs and "000000000099-beef" in dirs
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_publishes_tensors_on_the_gpu(bucket: str) -> None:
+    trainer = Trainer()
+    with DeltaPublisher(bucket, anchor_every=2) as pub:
+        for step in range(3):
+            trainer.step()
+            pub.publish(step, {k: v.to("cuda") for k, v in trainer.weights.items()})
+    assert bits_equal(read_full(bucket, 2), trainer.bf16())
