@@ -1,14 +1,17 @@
-"""HTTP helpers of the Hugging Face bucket API: errors into the project's tree, the SSE parser."""
+"""Helpers of the hf:// store: URL and token, errors into the project's tree, the events feed."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass
 
 import aiohttp
 
 from ..errors import (
     AlreadyExistsError,
     AuthError,
+    ConfigError,
     NotFoundError,
     RateLimitedError,
     StoreError,
@@ -81,4 +84,64 @@ async def parse_sse(stream: aiohttp.StreamReader) -> AsyncIterator[tuple[str, st
             event_id = value
 
 
-__all__ = ["connection_error", "error_for_response", "hub_error", "parse_sse"]
+@dataclass(frozen=True)
+class ChangeEvent:
+    """One event of the bucket feed: ``changes`` (paths added/updated/deleted), ``reset``
+    (state unknown: list again), ``ready`` (connected)."""
+
+    kind: str
+    paths: tuple[str, ...] = ()
+    cursor: str | None = None
+
+
+def parse_hf_url(url: str) -> tuple[str, str]:
+    """``hf://buckets/ns/name/a/b`` -> ``("ns/name", "a/b")``."""
+    rest = url.split("://", 1)[1] if "://" in url else url
+    parts = [p for p in rest.split("/") if p]
+    if len(parts) < 3 or parts[0] != "buckets":
+        raise ConfigError(
+            f"bucket URL {url!r}: expected hf://buckets/<namespace>/<name>[/<prefix>]"
+        )
+    return f"{parts[1]}/{parts[2]}", "/".join(parts[3:])
+
+
+def resolve_token(explicit: str | bool | None, environ: Mapping[str, str]) -> str | None:
+    """``token=`` option, else ``HF_TOKEN``, else huggingface_hub's own chain; ``False``: none."""
+    if explicit is False:
+        return None
+    if isinstance(explicit, str):
+        return explicit
+    if environ.get("HF_TOKEN"):
+        return environ["HF_TOKEN"]
+    try:
+        from huggingface_hub import get_token
+    except ImportError:  # pragma: no cover - huggingface_hub is a dependency
+        return None
+    return get_token()
+
+
+def change_event(kind: str, data: str, cursor: str | None, prefix: str) -> ChangeEvent:
+    """A feed event with paths made relative to ``prefix`` (others and deletions dropped)."""
+    if kind != "changes":
+        return ChangeEvent(kind, (), cursor)
+    decoded = json.loads(data) if data else []
+    items = decoded.get("changes", [decoded]) if isinstance(decoded, dict) else decoded
+    root = f"{prefix}/" if prefix else ""
+    paths = tuple(
+        i["path"][len(root) :]
+        for i in items
+        if i.get("op") != "delete" and i["path"].startswith(root)
+    )
+    return ChangeEvent(kind, paths, cursor)
+
+
+__all__ = [
+    "ChangeEvent",
+    "change_event",
+    "parse_hf_url",
+    "resolve_token",
+    "connection_error",
+    "error_for_response",
+    "hub_error",
+    "parse_sse",
+]

@@ -30,7 +30,6 @@ import builtins
 import json
 import os
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 from urllib.parse import quote, urljoin, urlsplit
 
@@ -38,7 +37,16 @@ import aiohttp
 from yarl import URL
 
 from ..errors import ConfigError, NotFoundError, StoreError, TransientStoreError
-from ._hfhttp import connection_error, error_for_response, hub_error, parse_sse
+from ._hfhttp import (
+    ChangeEvent,
+    change_event,
+    connection_error,
+    error_for_response,
+    hub_error,
+    parse_hf_url,
+    parse_sse,
+    resolve_token,
+)
 from ._parts import Chunks, RangedReader, parse_content_range, range_header
 from ._retry import RateGate, RetryPolicy, retry
 from .base import ObjectInfo, Store
@@ -49,42 +57,6 @@ Uploader = Callable[[list[tuple[str, bytes]]], Awaitable[None]]
 
 DEFAULT_ENDPOINT = "https://huggingface.co"
 _REDIRECTS = (301, 302, 303, 307, 308)
-
-
-@dataclass(frozen=True)
-class ChangeEvent:
-    """One event of the bucket feed: ``changes`` (paths added/updated/deleted), ``reset``
-    (state unknown: list again), ``ready`` (connected)."""
-
-    kind: str
-    paths: tuple[str, ...] = ()
-    cursor: str | None = None
-
-
-def parse_hf_url(url: str) -> tuple[str, str]:
-    """``hf://buckets/ns/name/a/b`` -> ``("ns/name", "a/b")``."""
-    rest = url.split("://", 1)[1] if "://" in url else url
-    parts = [p for p in rest.split("/") if p]
-    if len(parts) < 3 or parts[0] != "buckets":
-        raise ConfigError(
-            f"bucket URL {url!r}: expected hf://buckets/<namespace>/<name>[/<prefix>]"
-        )
-    return f"{parts[1]}/{parts[2]}", "/".join(parts[3:])
-
-
-def resolve_token(explicit: str | bool | None, environ: Mapping[str, str]) -> str | None:
-    """``token=`` option, else ``HF_TOKEN``, else huggingface_hub's own chain; ``False``: none."""
-    if explicit is False:
-        return None
-    if isinstance(explicit, str):
-        return explicit
-    if environ.get("HF_TOKEN"):
-        return environ["HF_TOKEN"]
-    try:
-        from huggingface_hub import get_token
-    except ImportError:  # pragma: no cover - huggingface_hub is a dependency
-        return None
-    return get_token()
 
 
 class HfStore(Store):
@@ -170,6 +142,25 @@ class HfStore(Store):
 
         return count
 
+    async def _once(
+        self, method: str, url: str, what: str, ok404: bool, kw: dict[str, Any]
+    ) -> tuple[int, Mapping[str, str], bytes, dict[str, Any]]:
+        """One request: (status, headers, body, links); a 404 is returned when ``ok404``."""
+        try:
+            async with self._http().request(
+                method, URL(url, encoded=True), headers=self._auth(url), allow_redirects=False, **kw
+            ) as resp:
+                body = await resp.read()
+                if resp.status == 404 and ok404:
+                    return 404, resp.headers, body, {}
+                if resp.status >= 400:
+                    raise error_for_response(resp.status, resp.headers, what)
+                return resp.status, resp.headers, body, dict(resp.links)
+        except aiohttp.ClientError as exc:
+            raise connection_error(exc, what) from exc
+        except asyncio.TimeoutError as exc:
+            raise TransientStoreError(f"{what}: timed out") from exc
+
     async def _call(
         self,
         op: str,
@@ -181,27 +172,10 @@ class HfStore(Store):
         ok404: bool = False,
         **kw: Any,
     ) -> tuple[int, Mapping[str, str], bytes, dict[str, Any]]:
-        """One request with retries: (status, headers, body, links). 404 is returned if ok404."""
+        """``_once`` with retries, the quota's rate gate and request counters."""
 
-        async def once() -> tuple[int, Mapping[str, str], bytes, dict[str, Any]]:
-            try:
-                async with self._http().request(
-                    method,
-                    URL(url, encoded=True),
-                    headers=self._auth(url),
-                    allow_redirects=False,
-                    **kw,
-                ) as resp:
-                    body = await resp.read()
-                    if resp.status == 404 and ok404:
-                        return 404, resp.headers, body, {}
-                    if resp.status >= 400:
-                        raise error_for_response(resp.status, resp.headers, what)
-                    return resp.status, resp.headers, body, dict(resp.links)
-            except aiohttp.ClientError as exc:
-                raise connection_error(exc, what) from exc
-            except asyncio.TimeoutError as exc:
-                raise TransientStoreError(f"{what}: timed out") from exc
+        def once() -> Awaitable[tuple[int, Mapping[str, str], bytes, dict[str, Any]]]:
+            return self._once(method, url, what, ok404, kw)
 
         try:
             result = await retry(
@@ -373,22 +347,9 @@ class HfStore(Store):
                 if resp.status >= 400:
                     raise error_for_response(resp.status, resp.headers, f"{self.url}: events feed")
                 async for kind, data, event_id in parse_sse(resp.content):
-                    yield self._event(kind, data, event_id)
+                    yield change_event(kind, data, event_id, self.prefix)
         except aiohttp.ClientError as exc:
             raise connection_error(exc, f"{self.url}: events feed") from exc
-
-    def _event(self, kind: str, data: str, cursor: str | None) -> ChangeEvent:
-        if kind != "changes":
-            return ChangeEvent(kind, (), cursor)
-        decoded = json.loads(data) if data else []
-        items = decoded.get("changes", [decoded]) if isinstance(decoded, dict) else decoded
-        root = f"{self.prefix}/" if self.prefix else ""
-        paths = tuple(
-            self._rel(i["path"])
-            for i in items
-            if i.get("op") != "delete" and i["path"].startswith(root)
-        )
-        return ChangeEvent(kind, paths, cursor)
 
     # -- writes ------------------------------------------------------------------------------
 
