@@ -370,10 +370,10 @@ def _sparse_piece(
     sub, vals = indices[a:z], values[a:z]
     if len(b.sizes) == 1 and b.src_strides[0] == 1:  # one range: a shift (and a scale)
         d = b.dst_strides[0]
-        local = sub + (b.dst_offset - lo) if d == 1 else (sub - lo) * d + b.dst_offset
-        return Piece(target.param, local, vals, relative=relative)
+        shifted = sub + (b.dst_offset - lo) if d == 1 else (sub - lo) * d + b.dst_offset
+        return Piece(target.param, shifted, vals, relative=relative)
     rest = sub - lo
-    local = None
+    local: torch.Tensor | None = None
     keep: torch.Tensor | None = None
     for k, (n, s, d) in enumerate(zip(b.sizes, b.src_strides, b.dst_strides, strict=True)):
         q = torch.div(rest, s, rounding_mode="floor") if s != 1 else rest
@@ -395,6 +395,7 @@ def _sparse_piece(
 
 def _dense_piece(target: Target, values: torch.Tensor, relative: bool) -> Piece:
     b = target.block
+    values = values.contiguous()
     view = values.as_strided(b.sizes, b.src_strides, values.storage_offset() + b.src_offset)
     dense = DenseView(b.sizes, b.dst_strides, b.dst_offset)
     return Piece(target.param, None, view, dense=dense, relative=relative)

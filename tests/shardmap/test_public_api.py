@@ -1,0 +1,30 @@
+"""The shard-map and apply modules' public names, and that they import without vLLM."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import vllm_deltasync.apply as apply_mod
+import vllm_deltasync.shardmap as shardmap_mod
+
+
+def test_exported_members() -> None:
+    assert sorted(shardmap_mod.__all__) == [
+        "Block", "DenseView", "Piece", "ShardMap", "Target", "translate_all",
+    ]
+    assert sorted(apply_mod.__all__) == [
+        "apply_patches", "checkpoint_digest", "prepare", "tensor_digest",
+    ]
+    for mod in (shardmap_mod, apply_mod):
+        for name in mod.__all__:
+            assert getattr(mod, name).__doc__, f"{mod.__name__}.{name} has no docstring"
+
+
+def test_imports_without_vllm() -> None:
+    code = (
+        "import sys; sys.modules['vllm'] = None\n"
+        "import vllm_deltasync.shardmap, vllm_deltasync.apply\n"
+        "assert 'vllm' not in {m.split('.')[0] for m in sys.modules if sys.modules[m]}\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
