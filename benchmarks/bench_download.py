@@ -111,7 +111,7 @@ async def _throughput_rows(
 
 
 def _throughput(quick: bool) -> tuple[str, float]:
-    n_files, size, rate = (4, 4 << 20, 8e6) if quick else (8, 16 << 20, 25e6)
+    n_files, size, rate = (4, 4 << 20, 8e6) if quick else (8, 16 << 20, 10e6)
     repeats = 2 if quick else 3
     files = {
         f"data/000000000001-bench/{i:05d}.safetensors": os.urandom(size) for i in range(n_files)
