@@ -130,6 +130,7 @@ class _RankState:
         self.last_apply = {
             "step": step,
             "steps": [s.step for s in taken],
+            "kinds": [s.manifest.kind for s in taken],
             "apply_s": time.perf_counter() - started,
             "written": written,
             "downloaded_bytes": sum(s.downloaded_bytes for s in taken),

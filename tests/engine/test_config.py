@@ -1,0 +1,57 @@
+"""SyncConfig from --additional-config and VLLM_DELTASYNC_* (no vLLM needed)."""
+
+from __future__ import annotations
+
+import pytest
+
+from vllm_deltasync.config import SyncConfig, is_configured, redact_url
+from vllm_deltasync.errors import ConfigError
+
+
+def test_env_overrides_additional_config_and_types_are_coerced() -> None:
+    cfg = SyncConfig.from_sources(
+        {"deltasync": {"url": "file:///a", "poll_interval_s": 5, "in_flight": "drain"}},
+        {"VLLM_DELTASYNC_POLL_INTERVAL_S": "0.5", "VLLM_DELTASYNC_RESET_PREFIX_CACHE": "off",
+         "VLLM_DELTASYNC_LOADED_STEP": "7", "PATH": "/bin"},
+    )
+    assert cfg.poll_interval_s == 0.5 and cfg.in_flight == "drain"
+    assert cfg.reset_prefix_cache is False and cfg.loaded_step == 7
+
+
+def test_additional_config_may_be_a_json_string() -> None:
+    cfg = SyncConfig.from_sources({"deltasync": '{"url": "memory://x", "max_chain": 3}'}, {})
+    assert cfg.url == "memory://x" and cfg.max_chain == 3
+
+
+@pytest.mark.parametrize(
+    ("additional", "environ", "needle"),
+    [
+        ({}, {}, "VLLM_DELTASYNC_URL"),
+        ({"deltasync": {"url": "file:///a", "poll_intervall_s": 1}}, {}, "poll_intervall_s"),
+        ({}, {"VLLM_DELTASYNC_URL": "file:///a", "VLLM_DELTASYNC_POLL": "1"}, "VLLM_DELTASYNC_POLL"),
+        ({}, {"VLLM_DELTASYNC_URL": "file:///a", "VLLM_DELTASYNC_POLL_INTERVAL_S": "0"}, "poll_interval_s"),
+        ({}, {"VLLM_DELTASYNC_URL": "file:///a", "VLLM_DELTASYNC_ON_START": "later"}, "on_start"),
+        ({}, {"VLLM_DELTASYNC_URL": "file:///a", "VLLM_DELTASYNC_MAX_CHAIN": "many"}, "MAX_CHAIN"),
+        ({}, {"VLLM_DELTASYNC_URL": "file:///a", "VLLM_DELTASYNC_RESET_PREFIX_CACHE": "maybe"},
+         "RESET_PREFIX_CACHE"),
+        ({}, {"VLLM_DELTASYNC_URL": "not a url"}, "not a URL"),
+        ({}, {"VLLM_DELTASYNC_URL": "file:///a", "VLLM_DELTASYNC_METRICS_PORT": "70000"}, "metrics_port"),
+    ],
+)
+def test_bad_input_is_a_config_error_naming_the_option(additional, environ, needle) -> None:
+    with pytest.raises(ConfigError, match=needle):
+        SyncConfig.from_sources(additional, environ)
+
+
+def test_credentials_never_appear_in_repr_or_redacted_url() -> None:
+    cfg = SyncConfig(url="s3://AKIAKEY:s3cr3t@host:9000/bucket/prefix?token=abc")
+    text = repr(cfg) + cfg.redacted_url()
+    assert "s3cr3t" not in text and "AKIAKEY" not in text and "token=abc" not in text
+    assert "host:9000/bucket/prefix" in text
+    assert redact_url("hf://buckets/ns/name") == "hf://buckets/ns/name"
+
+
+def test_is_configured() -> None:
+    assert is_configured({"deltasync": {"url": "file:///a"}}, {})
+    assert is_configured(None, {"VLLM_DELTASYNC_URL": "file:///a"})
+    assert not is_configured({}, {"VLLM_DELTASYNC_URL": ""})
