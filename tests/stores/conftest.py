@@ -26,6 +26,7 @@ import pytest
 
 from vllm_deltasync.stores import Store, open_store
 from vllm_deltasync.stores.hf import HfStore
+from vllm_deltasync.stores.memory import MemoryStore
 from vllm_deltasync.stores.s3 import S3Store
 
 T = TypeVar("T")
@@ -196,6 +197,8 @@ def store(request: pytest.FixtureRequest, tmp_path: Path, run: Any) -> Iterator[
     yield made
     if scheme in ("file", "memory"):
         run(made.close())
+    if isinstance(made, MemoryStore):
+        MemoryStore.drop(made.name)
 
 
 @pytest.fixture

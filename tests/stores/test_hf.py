@@ -71,6 +71,24 @@ def test_cdn_really_rejects_authorization(hub: Any, hf_store: HfStore, run: Any)
     assert hub.cdn_auth_seen == 1
 
 
+def test_aiohttp_itself_drops_the_token_on_the_cross_origin_redirect(
+    hub: Any, hf_store: HfStore, run: Any
+) -> None:
+    """The dependency floor (aiohttp >= 3.13.4) matters to users who fetch with plain aiohttp."""
+    run(hf_store.write("data/w.bin", b"payload"))
+
+    async def follow() -> tuple[int, bytes]:
+        headers = {"Authorization": f"Bearer {hub.token}"}
+        async with (
+            aiohttp.ClientSession() as session,
+            session.get(hf_store._resolve_url("data/w.bin"), headers=headers) as r,
+        ):
+            return r.status, await r.read()
+
+    assert run(follow()) == (200, b"payload")
+    assert hub.cdn_auth_seen == 0
+
+
 def test_token_not_in_repr_errors_or_logs(
     hub: Any, make_hf_store: Any, run: Any, caplog: Any
 ) -> None:

@@ -36,7 +36,13 @@ from urllib.parse import quote, urljoin, urlsplit
 import aiohttp
 from yarl import URL
 
-from ..errors import ConfigError, NotFoundError, StoreError, TransientStoreError
+from ..errors import (
+    ConfigError,
+    NotFoundError,
+    RateLimitedError,
+    StoreError,
+    TransientStoreError,
+)
 from ._hfhttp import (
     ChangeEvent,
     change_event,
@@ -136,9 +142,7 @@ class HfStore(Store):
 
     def _count_retry(self, op: str) -> Callable[[TransientStoreError], None]:
         def count(exc: TransientStoreError) -> None:
-            self.stats.count(
-                op, "rate_limited" if exc.__class__.__name__ == "RateLimitedError" else "error"
-            )
+            self.stats.count(op, "rate_limited" if isinstance(exc, RateLimitedError) else "error")
 
         return count
 
@@ -345,7 +349,12 @@ class HfStore(Store):
             ) as resp:
                 self.stats.count("events", "ok" if resp.status < 400 else "error")
                 if resp.status >= 400:
-                    raise error_for_response(resp.status, resp.headers, f"{self.url}: events feed")
+                    error = error_for_response(
+                        resp.status, resp.headers, f"{self.url}: events feed"
+                    )
+                    if isinstance(error, RateLimitedError) and error.retry_after_s:
+                        self.gates["api"].block_for(error.retry_after_s)
+                    raise error
                 async for kind, data, event_id in parse_sse(resp.content):
                     yield change_event(kind, data, event_id, self.prefix)
         except aiohttp.ClientError as exc:
