@@ -22,8 +22,11 @@ asks the model itself, once at start (the idea of vLLM PR #43375):
    loader that replaces ``param.data``. A name the loaders write nothing for is an error too,
    except two explicit cases: a name tied to a parameter that another checkpoint name places
    (``lm_head.weight`` with tied embeddings: recorded as *covered by* ``model.embed_tokens.weight``)
-   and buffers the engine recomputes (``rotary_emb.inv_freq``).
+   and buffers the engine recomputes (``rotary_emb.inv_freq``). Two names whose blocks are
+   identical (tied weights both loaded) keep only the first (the other is *covered by* it, so a
+   relative patch is never applied twice); two names writing overlapping elements are an error.
 
+The probe lives in ``_shardprobe.py``; this module classifies its result and translates.
 Each block is normalised (size-1 dims dropped, dims sorted by source stride, contiguous dims
 merged): a column-parallel shard becomes one 1-D range, a row-parallel shard two dims. The map
 holds a few integers per (checkpoint tensor, rank), never per-element indices.
@@ -33,9 +36,12 @@ Translating a patch
 For sorted flat checkpoint indices, each block first cuts the index range it can hit with two
 ``searchsorted`` calls, then decomposes ``index - offset`` greedily by the (nested) source
 strides into a multi-index, keeps the elements inside the block and maps them through the
-destination strides. All of it is vectorised torch on the device the patch lives on. An element
-may land in several blocks (replicated KV heads): every placement is returned. Dense runs that
-cover the whole tensor become strided views (no index tensors at all).
+destination strides. All of it is vectorised torch on the device the patch lives on (move the
+patch to the parameter's device first to translate there). An element may land in several
+blocks (a loader writing one tensor twice): every placement is returned; KV heads replicated
+across ranks simply appear in each of those ranks' maps. Dense runs that cover the whole tensor
+become strided views (no index tensors); partial runs become a slice when the block is one
+range, else indices for the run only.
 """
 
 from __future__ import annotations
