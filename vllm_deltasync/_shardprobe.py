@@ -155,6 +155,8 @@ class _Recorder(TorchDispatchMode):
             return written[0]  # e.g. fill_ of vocab padding: never touch live weights
         if any(w.device.type == "meta" for w in written):
             raise self.error(f"modifies it in place with {func}")
+        if func in _COPY_OPS and metas and kwargs.get("device") is not None:
+            kwargs = {**kwargs, "device": torch.device("meta")}  # .to(param.device): stay on meta
         out = func(*args, **kwargs)
         if metas and not func.is_view:
             self._derive(func, metas, out)

@@ -80,6 +80,8 @@ class _Toy(torch.nn.Module):
                 pass
             elif name == "converted":  # dtype round trip, then copied whole: representable
                 self.a.data.copy_(w.to(torch.float32))
+            elif name == "moved":  # to the parameter's device (and dtype), then copied
+                self.b.data.copy_(w.t().to(self.b.device, torch.float32))
             elif name in ("tied", "tied_alias"):
                 self.a.data.copy_(w)
             elif name in ("top", "middle"):  # rows 0-2 and 1-3 of ``a``: element 1x of both
@@ -132,6 +134,15 @@ def test_whole_tensor_dtype_conversion_is_followed() -> None:
     shardmap = _toy_map("converted")
     (target,) = shardmap.targets("converted")
     assert target.param_name == "a" and target.block.sizes == (24,)
+
+
+def test_device_move_is_followed() -> None:
+    toy = _Toy()
+    shardmap = ShardMap.from_model(toy, {"moved": ((4, 6), "bfloat16")})
+    patch = TensorPatch("moved", (4, 6), torch.tensor([1, 13]),
+                        torch.tensor([5.0, 6.0], dtype=torch.bfloat16))
+    apply_patches(prepare(shardmap.translate(patch)))
+    assert toy.b[1, 0] == 5 and toy.b[1, 2] == 6 and int((toy.b != 0).sum()) == 2
 
 
 @pytest.mark.parametrize(
