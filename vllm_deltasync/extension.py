@@ -68,7 +68,9 @@ class _RankState:
         self.rank = int(getattr(worker, "rank", 0))
         self.model = worker.model_runner.model
         params = checkpoint_params(worker.vllm_config.model_config.model)
+        self.checkpoint = params
         self.shardmap = ShardMap.from_model(self.model, params)
+        self.param_ids = _param_ids(self.model)
         self.fingerprint = fingerprint((n, s, d) for n, (s, d) in params.items())
         self.stats = WorkerStats()
         self.trace: collections.deque[tuple[int, int, int, int]] = collections.deque(
@@ -107,6 +109,7 @@ class _RankState:
         """Main thread, between model steps: write every staged step up to ``step``."""
         from .apply import apply_patches
 
+        self._check_params_unchanged()
         taken = self.poller.take(step)
         applied = self.poller.applied_step
         for staged in taken:  # check the whole chain before writing anything
@@ -142,6 +145,19 @@ class _RankState:
         }
         return dict(self.last_apply)
 
+    def _check_params_unchanged(self) -> None:
+        """vLLM's reload_weights may replace parameters: then re-derive the map, go to an anchor."""
+        if _param_ids(self.model) == self.param_ids:
+            return
+        from .shardmap import ShardMap
+
+        self.shardmap = ShardMap.from_model(self.model, self.checkpoint)
+        self.param_ids = _param_ids(self.model)
+        raise ApplyError(
+            f"rank {self.rank}: the model's parameters were replaced (reload_weights?); the shard "
+            "map was rebuilt and the engine resyncs through the next anchor"
+        )
+
     def record_step(self, run: Callable[[], Any], num_tokens: int) -> Any:
         """Run one model step and remember which version it ran on, at start and at end."""
         before = _version(self.poller.applied_step)
@@ -164,6 +180,10 @@ class _RankState:
             pid=os.getpid(),
         )
         return out
+
+
+def _param_ids(model: torch.nn.Module) -> frozenset[int]:
+    return frozenset(id(p) for p in model.parameters())
 
 
 def _version(step: int | None) -> int:

@@ -1,0 +1,73 @@
+"""Generation never stops while steps arrive, and no model step ever mixes versions.
+
+A TP=2 engine generates batch after batch while a trainer thread publishes steps. Each rank
+records, for every model step it runs, the applied version at the start and at the end of the
+step (``deltasync_trace``). Ranks run the same sequence of model steps, so the records must
+agree position by position across ranks, and start and end must be equal within each step.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+
+from vllm_deltasync import DeltaPublisher
+from vllm_deltasync.toymodel import build_model
+
+from .conftest import Trainer, close_llm, engine_env, make_llm, requires_vllm, wait_applied
+
+STEPS = 8
+
+
+@requires_vllm
+@pytest.mark.engine
+def test_no_model_step_mixes_versions_across_or_within_ranks(tmp_path: Path) -> None:
+    from vllm import SamplingParams
+
+    tp = 2
+    model_dir = build_model(tmp_path / "model", "llama", seed=5)
+    trainer = Trainer(model_dir, lr=1e-5, seed=5)
+    url = f"file://{tmp_path}/bucket"
+    params = SamplingParams(temperature=0.8, max_tokens=24, seed=1, ignore_eos=True)
+    prompts = [f"rollout {i} the policy reward" for i in range(6)]
+    with DeltaPublisher(url, anchor_every=4) as pub, engine_env(
+        tmp_path, tp, url=url, poll_interval_s=0.05, metrics_port=0
+    ):
+        pub.publish(0, trainer.named_tensors())
+        pub.flush()
+        llm = make_llm(model_dir, tp, extension=True)
+        try:
+            wait_applied(llm, 0)
+            done = threading.Event()
+
+            def train() -> None:
+                for step in range(1, STEPS + 1):
+                    trainer.step()
+                    pub.publish(step, trainer.named_tensors())
+                    pub.flush()
+                done.set()
+
+            thread = threading.Thread(target=train)
+            thread.start()
+            outputs = []
+            while not done.is_set() or len(outputs) < 2:
+                outputs.extend(llm.generate(prompts, params, use_tqdm=False))
+            thread.join()
+            wait_applied(llm, STEPS)
+            outputs.extend(llm.generate(prompts, params, use_tqdm=False))
+            traces = llm.collective_rpc("deltasync_trace")
+        finally:
+            close_llm(llm)
+
+    first, second = traces
+    assert len(first) == len(second) and len(first) > 20
+    assert first == second, "ranks ran some model step on different versions"
+    assert all(start == end for _, start, end, _ in first), "a version changed during a step"
+    versions_with_tokens = [start for _, start, _, tokens in first if tokens > 0]
+    assert versions_with_tokens == sorted(versions_with_tokens)  # never goes back
+    assert len(set(versions_with_tokens)) >= 3, "too few switches happened while generating"
+    assert versions_with_tokens[-1] == STEPS
+    spans = [o.outputs[0].weight_versions for o in outputs]
+    assert any(len({s.version for s in sp}) > 1 for sp in spans), "no request crossed a switch"

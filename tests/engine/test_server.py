@@ -1,0 +1,111 @@
+"""The real OpenAI-compatible server, configured only by --worker-extension-cls and env vars.
+
+Nothing else is done by the test: no collective_rpc, no dev-mode routes. The server must
+notice each published step and switch; ``/synced`` on the engine's metrics port says which
+step every rank runs, and completions keep being served.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from vllm_deltasync import DeltaPublisher
+from vllm_deltasync.toymodel import build_model
+
+from .conftest import Trainer, requires_vllm
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _get_json(url: str) -> tuple[int, Any]:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+def _complete(api: str, model: str) -> dict[str, Any]:
+    body = json.dumps({"model": model, "prompt": "the policy reward", "max_tokens": 6,
+                       "temperature": 0}).encode()
+    req = urllib.request.Request(api + "/v1/completions", body,
+                                 {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as resp:
+        return json.loads(resp.read())
+
+
+def _wait_synced(metrics: str, step: int, proc: subprocess.Popen, log: Path) -> dict[str, Any]:
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            pytest.fail("server exited:\n" + log.read_text()[-4000:])
+        try:
+            code, body = _get_json(metrics + "/synced")
+            if code == 200 and all(r["applied_step"] == step for r in body["ranks"]):
+                return body
+        except OSError:
+            pass
+        time.sleep(0.5)
+    pytest.fail(f"step {step} never synced:\n" + log.read_text()[-4000:])
+
+
+@requires_vllm
+@pytest.mark.engine
+def test_openai_server_follows_bucket_with_env_only(tmp_path: Path) -> None:
+    model_dir = build_model(tmp_path / "model", "qwen2", seed=7)
+    trainer = Trainer(model_dir, lr=1e-5, seed=7)
+    url = f"file://{tmp_path}/bucket"
+    api_port, metrics_port = _free_port(), _free_port()
+    env = {**os.environ, "VLLM_DELTASYNC_URL": url, "VLLM_DELTASYNC_POLL_INTERVAL_S": "0.2",
+           "VLLM_DELTASYNC_METRICS_PORT": str(metrics_port),
+           "VLLM_DELTASYNC_METRICS_HOST": "127.0.0.1", "VLLM_CPU_KVCACHE_SPACE": "1",
+           "VLLM_CACHE_ROOT": str(tmp_path / "cache"),
+           "VLLM_RPC_BASE_PATH": tempfile.mkdtemp(prefix="vrpc")}
+    log_path = tmp_path / "server.log"
+    api, metrics = f"http://127.0.0.1:{api_port}", f"http://127.0.0.1:{metrics_port}"
+    with DeltaPublisher(url, anchor_every=3) as pub, open(log_path, "wb") as log:
+        pub.publish(0, trainer.named_tensors())
+        pub.flush()
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "vllm.entrypoints.launchers.api_server.entry",
+             "--model", str(model_dir), "--port", str(api_port), "--host", "127.0.0.1",
+             "--worker-extension-cls", "vllm_deltasync.DeltaSyncExtension", "--enforce-eager",
+             "--max-model-len", "512", "--max-num-seqs", "4", "--dtype", "bfloat16"],
+            env=env, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            _wait_synced(metrics, 0, proc, log_path)
+            first = _complete(api, str(model_dir))
+            for step in range(1, 5):
+                trainer.step()
+                pub.publish(step, trainer.named_tensors())
+                pub.flush()
+                body = _wait_synced(metrics, step, proc, log_path)
+                assert body["ranks"][0]["last_error"] is None
+                assert _complete(api, str(model_dir))["choices"][0]["text"] is not None
+            with urllib.request.urlopen(metrics + "/metrics", timeout=5) as resp:
+                text = resp.read().decode()
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+    assert first["choices"]
+    applied = [ln for ln in text.splitlines() if ln.startswith("deltasync_applied_step{")]
+    assert applied and all(ln.endswith(" 4.0") for ln in applied), applied
