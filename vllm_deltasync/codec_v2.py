@@ -125,13 +125,13 @@ def _table(table: torch.Tensor, device: torch.device) -> torch.Tensor:
     return _TABLES_ON_DEVICE[key]
 
 
-def _decode_gaps(roles: Mapping[str, torch.Tensor], meta: Mapping[str, Any], count: int) -> torch.Tensor:
+def _decode_gaps(roles: Mapping[str, torch.Tensor], meta: Mapping[str, Any], count: int, use_numpy: bool) -> torch.Tensor:
     bits, m, first = int(meta["gap_bits"]), int(meta["gap_escapes"]), int(meta["first"])
     if bits not in _FIELD_DTYPES:
         raise FormatError(f"sparse-v2 chunk meta: gap_bits={bits} is not 8 or 16")
     fields = _role(roles, "gaps", _FIELD_DTYPES[bits], count)
     over = _overflow(roles, "gap_overflow", m, (torch.int16, torch.int32, torch.int64)) if m else None
-    if fields.device.type == "cpu":  # numpy: 2-10x less overhead and faster kernels here
+    if use_numpy and fields.device.type == "cpu":  # numpy: less overhead, faster kernels here
         return torch.from_numpy(_gaps_numpy(fields.numpy(), bits, over, first))
     gaps = fields.to(torch.int64)
     if bits == 16:
@@ -160,7 +160,9 @@ def _check_escapes(found: int, expected: int, what: str) -> None:
         raise FormatError(f"sparse-v2: {found} escaped {what}, meta says {expected}")
 
 
-def _decode_values(roles: Mapping[str, torch.Tensor], meta: Mapping[str, Any], count: int) -> tuple[torch.Tensor, bool]:
+def _decode_values(
+    roles: Mapping[str, torch.Tensor], meta: Mapping[str, Any], count: int, use_numpy: bool
+) -> tuple[torch.Tensor, bool]:
     mode, k = meta["values"], int(meta["value_escapes"])
     if mode == "raw":
         return _role(roles, "values", torch.bfloat16, count), False
@@ -171,7 +173,7 @@ def _decode_values(roles: Mapping[str, torch.Tensor], meta: Mapping[str, Any], c
     fields = _role(roles, "values", torch.uint8, count if mode == "diff8" else (count + 1) // 2)
     table, escaped = (_LUT8, int(_LUT8[255])) if mode == "diff8" else (_LUT4x2, int(_LUT8[15]))
     over = _overflow(roles, "value_overflow", k, (torch.int16,)) if k else None
-    if fields.device.type == "cpu":
+    if use_numpy and fields.device.type == "cpu":
         values = np.take(table.numpy(), fields.numpy(), axis=0).reshape(-1)[:count]
         if over is not None:  # an escape decodes to the one difference it stands for
             where = np.flatnonzero(values == escaped)
@@ -209,11 +211,18 @@ class SparseV2Codec(Codec):
     max_bytes_per_element = 6
     """Sizes chunks like sparse-v1; encoded chunks are 4-6x smaller than this bound."""
 
-    def __init__(self, *, compression: str = "none", level: int = ZSTD_LEVEL) -> None:
+    def __init__(self, *, compression: str = "none", level: int = ZSTD_LEVEL, cpu_kernels: str = "numpy") -> None:
+        """``compression``: ``"none"`` (``sparse-v2``) or ``"zstd"`` (``sparse-v2-zstd``).
+
+        ``cpu_kernels``: decode CPU tensors with ``"numpy"`` (faster here) or with the
+        ``"torch"`` ops that every other device uses.
+        """
         if compression not in ("zstd", "none"):
             raise ConfigError(f"sparse-v2: compression {compression!r} is not 'zstd' or 'none'")
+        if cpu_kernels not in ("numpy", "torch"):
+            raise ConfigError(f"sparse-v2: cpu_kernels {cpu_kernels!r} is not 'numpy' or 'torch'")
         self.name = "sparse-v2" if compression == "none" else "sparse-v2-zstd"
-        self.compression, self.level = compression, level
+        self.compression, self.level, self.cpu_kernels = compression, level, cpu_kernels
 
     def encode(
         self, indices: torch.Tensor | None, new_values: torch.Tensor, old_values: torch.Tensor | None
@@ -239,8 +248,8 @@ class SparseV2Codec(Codec):
             if count == 0:
                 dtype = torch.bfloat16 if meta["values"] == "raw" else torch.int16
                 return torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=dtype), meta["values"] != "raw"
-            indices = _decode_gaps(tensors, meta, count)
-            values, relative = _decode_values(tensors, meta, count)
+            indices = _decode_gaps(tensors, meta, count, self.cpu_kernels == "numpy")
+            values, relative = _decode_values(tensors, meta, count, self.cpu_kernels == "numpy")
         except (KeyError, TypeError, ValueError) as exc:
             raise FormatError(f"sparse-v2 chunk meta is incomplete or malformed ({exc!r})") from None
         return indices, values, relative

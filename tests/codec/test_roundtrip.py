@@ -9,12 +9,16 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from vllm_deltasync.codec import TensorPatch, get_codec
+from vllm_deltasync.codec_v2 import SparseV2Codec
 from vllm_deltasync.errors import FormatError
 
 SPARSE = {
     "sparse-v1": get_codec("sparse-v1"),
     "sparse-v2": get_codec("sparse-v2"),
     "sparse-v2-zstd": get_codec("sparse-v2-zstd"),
+    # the torch ops GPUs run, exercised on the CPU
+    "sparse-v2/torch": SparseV2Codec(cpu_kernels="torch"),
+    "sparse-v2-zstd/torch": SparseV2Codec(compression="zstd", cpu_kernels="torch"),
 }
 
 
@@ -32,9 +36,12 @@ def deltas(draw: st.DrawFn) -> tuple[torch.Tensor, torch.Tensor]:
     mask = torch.rand(n, generator=g) < density
     mask[0] |= draw(st.booleans())
     mask[-1] |= draw(st.booleans())
-    small = draw(st.booleans())  # +-1..3 like real steps, or arbitrary new bit patterns
+    kind = draw(st.sampled_from(["small", "mixed", "random"]))  # +-1..3 like real steps, ...
     step = torch.randint(1, 4, (n,), generator=g) * (torch.randint(0, 2, (n,), generator=g) * 2 - 1)
-    new_bits = (old_bits + step) if small else torch.randint(0, 1 << 16, (n,), generator=g)
+    if kind == "mixed":  # ... a few far moves among them (escapes), or arbitrary new bits
+        far = torch.rand(n, generator=g) < 0.03
+        step = torch.where(far, torch.randint(8, 1 << 15, (n,), generator=g), step)
+    new_bits = torch.randint(0, 1 << 16, (n,), generator=g) if kind == "random" else old_bits + step
     new_bits = torch.where(mask, new_bits & 0xFFFF, old_bits)
     return bits_to_bf16(old_bits), bits_to_bf16(new_bits)
 
@@ -93,7 +100,7 @@ def test_single_element(codec_key: str, bits: tuple[int, int]) -> None:
     assert out.view(torch.int16).item() == new.view(torch.int16).item()
 
 
-@pytest.mark.parametrize("codec_key", ["sparse-v2", "sparse-v2-zstd"])
+@pytest.mark.parametrize("codec_key", ["sparse-v2", "sparse-v2-zstd", "sparse-v2/torch"])
 def test_large_gaps_and_far_indices(codec_key: str) -> None:
     """Gaps beyond 2**32 (a chunk of a huge tensor) and values far from the base."""
     codec = SPARSE[codec_key]
@@ -105,6 +112,23 @@ def test_large_gaps_and_far_indices(codec_key: str) -> None:
     indices, values, _ = codec.decode(roles, meta, 5)
     assert torch.equal(indices, idx)
     assert torch.equal((old.view(torch.int16) + values), new.view(torch.int16))
+
+
+@pytest.mark.parametrize("codec_key", ["sparse-v2", "sparse-v2/torch", "sparse-v2-zstd/torch"])
+def test_escapes_of_both_kinds(codec_key: str, gen: torch.Generator) -> None:
+    """Sparse positions (gaps over 255) and a few far moves among +-1 steps."""
+    n = 200_000
+    idx = torch.nonzero(torch.rand(n, generator=gen) < 0.01).flatten()
+    old = torch.randint(0, 1 << 16, (idx.numel(),), generator=gen)
+    step = torch.where(torch.rand(idx.numel(), generator=gen) < 0.02,
+                       torch.randint(8, 30000, (idx.numel(),), generator=gen), 1)
+    old_bf, new_bf = bits_to_bf16(old), bits_to_bf16(old + step)
+    codec = SPARSE[codec_key]
+    roles, meta = codec.encode(idx, new_bf, old_bf)
+    assert meta["gap_escapes"] > 0 and meta["value_escapes"] > 0 and meta["values"] == "diff4"
+    indices, values, relative = codec.decode(roles, meta, idx.numel())
+    assert relative and torch.equal(indices, idx)
+    assert torch.equal(old_bf.view(torch.int16) + values, new_bf.view(torch.int16))
 
 
 def test_v2_is_compact_on_small_steps(gen: torch.Generator) -> None:
