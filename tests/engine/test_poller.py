@@ -113,3 +113,42 @@ def test_common_ready_step_needs_every_rank() -> None:
     assert common_ready_step([{"applied_step": 3, "ready_steps": [4]},
                               {"applied_step": 2, "ready_steps": [4]}]) is None
     assert common_ready_step([]) is None
+
+
+def test_on_start_wait_stages_nothing_until_a_newer_step(tmp_path: Path) -> None:
+    url = f"file://{tmp_path}/bucket"
+    w, g = _weights(4), torch.Generator().manual_seed(5)
+    with DeltaPublisher(url, anchor_every=100) as pub:
+        for step in range(3):
+            _step(w, g)
+            pub.publish(step, w.items())
+        pub.flush()
+        poller = Poller(SyncConfig(url=url, poll_interval_s=0.05, on_start="wait"),
+                        _patches_bytes)
+        poller.start()
+        try:
+            time.sleep(0.5)
+            assert poller.ready_steps() == []
+            assert poller.status()["newest_step"] == 2
+            _step(w, g)
+            pub.publish(3, w.items())
+            pub.flush()
+            _wait(lambda: poller.ready_steps() == [0, 1, 2, 3])  # through the anchor
+        finally:
+            poller.close()
+
+
+def test_loaded_step_lets_deltas_apply_without_the_anchor(tmp_path: Path) -> None:
+    url = f"file://{tmp_path}/bucket"
+    w, g = _weights(6), torch.Generator().manual_seed(7)
+    with DeltaPublisher(url, anchor_every=100) as pub:
+        for step in range(4):
+            _step(w, g)
+            pub.publish(step, w.items())
+    poller = Poller(SyncConfig(url=url, poll_interval_s=0.05, loaded_step=1), _patches_bytes,
+                    applied_step=1)
+    poller.start()
+    try:
+        _wait(lambda: poller.ready_steps() == [2, 3])
+    finally:
+        poller.close()
