@@ -130,8 +130,8 @@ class TrlImporter:
         """Publish every TRL step newer than the destination's newest; returns those steps."""
         after = self.publisher.last_step
         plan = plan_replay(self.scan(), after)
-        if self._state_step is not None and plan and plan[0].step <= self._state_step:
-            plan = [f for f in plan if f.step > self._state_step]  # continue from the held state
+        if after is not None and self._state_step == after:  # the held state is the newest published
+            plan = [f for f in plan if f.step > after]
         published = []
         for f in plan:
             self._advance(f)
@@ -145,7 +145,7 @@ class TrlImporter:
         data = default_loop().run(self.src.read(f.path), self.timeout_s)
         tensors = read_trl_file(data, f)
         if f.kind == "anchor":
-            self._state = {k: v.clone() for k, v in tensors.items()}
+            self._state = tensors  # freshly loaded: ours to modify
         elif self._state is None:
             raise ChainError(f"TRL {f.path}: delta without a preceding anchor")
         else:
