@@ -1,36 +1,34 @@
-"""``sparse-v2``: compact deltas, 1-1.6 bytes per changed element instead of 6.
+"""``sparse-v2``: compact deltas, ~1.6 bytes per changed element instead of 6 (docs/codec.md).
 
-Layout of one chunk of ``n`` changed elements (a *patched frame of reference*: fixed-width
-fields for the common case, short exception lists for the rest). ``meta["first"]`` is the
-chunk's first flat index; ``gap[0] = 0`` and ``gap[i] = indices[i] - indices[i-1]``.
+One chunk of ``n`` changed elements; ``meta["first"]`` is its first flat index, ``gap[0] = 0``
+and ``gap[i] = indices[i] - indices[i-1]``. Fixed-width fields with in-order escapes:
 
-=============  ============================  ==============================================
-role           dtype, length                 content
-=============  ============================  ==============================================
-``gaps``       uint8 / int16 / int32, n      ``gap mod 2**(8*meta["gap_bytes"])`` (low bytes)
-``gap_pos``    int32, m                      positions ``i`` whose gap did not fit ...
-``gap_hi``     int64, m                      ... and ``gap[i] >> (8 * gap_bytes)``
-``values``     see ``meta["values"]``        the values' fixed-width fields
-``value_pos``  int32, k                      positions whose value did not fit the field ...
-``value_exc``  int16, k                      ... and their int16 bit-pattern difference
-=============  ============================  ==============================================
+==================  ==========================  ===============================================
+role                dtype, length               content
+==================  ==========================  ===============================================
+``gaps``            uint8 or int16 (uint16      ``min(gap, E)``, ``E = 2**meta["gap_bits"] - 1``
+                    bits), n                    (gap_bits 8 or 16); ``E`` means escaped
+``gap_overflow``    int16/32/64, gap_escapes    ``gap - E`` of each escaped gap, in order
+``values``          see below                   the values' fields
+``value_overflow``  int16, value_escapes        ``d`` of each escaped value, in order
+==================  ==========================  ===============================================
 
 ``meta["values"]``:
 
-* ``"diff4"`` / ``"diff8"``: the exact difference of bf16 bit patterns
-  ``d = (new_bits - old_bits) mod 2**16`` (as int16), zigzag-mapped (``0, -1, 1, -2`` -> ``0, 1,
-  2, 3``) into 4-bit fields (two per byte, element ``2j`` in the low nibble) or 8-bit fields
-  (uint8); codes that do not fit are exceptions (field 0). Lossless; needs the exact base.
-* ``"diff16"``: int16 differences as they are (``values`` is int16, no exceptions).
-* ``"raw"`` (no base values given): ``values`` is the bf16 new values.
+* ``"diff4"`` / ``"diff8"``: ``d = (new_bits - old_bits) mod 2**16`` as int16, zigzag-coded
+  (``0, -1, 1, -2`` -> ``0, 1, 2, 3``) into 4-bit fields (uint8, two per byte, element ``2j``
+  in the low nibble) or 8-bit fields (uint8); the all-ones field is the escape. Lossless
+  (relative: needs the exact base).
+* ``"diff16"``: ``values`` is the int16 ``d`` itself.
+* ``"raw"`` (no base values given): ``values`` is the bf16 new values (absolute).
 
-Exception roles are present only when non-empty (``meta["gap_exceptions"]``,
-``meta["value_exceptions"]`` count them). Widths are chosen per chunk by exact size.
+Overflow roles exist only when their count (``meta["gap_escapes"]``,
+``meta["value_escapes"]``) is non-zero. Widths are chosen per chunk by exact size.
 
-``meta["compression"]``: ``"none"`` (``sparse-v2``: every role is a plain tensor, decodable
-with a few torch ops on any device, CPU or GPU) or ``"zstd"`` (``sparse-v2-zstd``: role ``data``
-is one zstd frame of the roles' bytes in the order of ``meta["roles"]`` (name, dtype, length);
-needs the ``codec`` extra). docs/codec.md has the measurements behind this layout.
+``meta["compression"]``: ``"none"`` (``sparse-v2``: plain tensors, decoded with numpy on the
+CPU or a few torch ops on any other device) or ``"zstd"`` (``sparse-v2-zstd``: role ``data`` is
+one zstd frame of the roles' bytes, widest dtype first, listed in ``meta["roles"]`` as
+``[name, dtype, length]``; ``meta["raw_bytes"]`` is its size; needs the ``codec`` extra).
 """
 
 from __future__ import annotations
@@ -96,7 +94,7 @@ def _encode_values(new: torch.Tensor, old: torch.Tensor | None, roles: dict[str,
     if old is None:
         roles["values"], meta["values"], meta["value_escapes"] = new, "raw", 0
         return
-    diff = new.view(torch.int16).numpy() - old.contiguous().view(torch.int16).numpy()
+    diff = new.view(torch.int16).numpy() - old.cpu().contiguous().view(torch.int16).numpy()
     codes = _zigzag(diff)
     width = _value_width(codes)
     meta["values"] = f"diff{width}"
