@@ -74,6 +74,36 @@ class WatcherStats:
     events_unavailable: int = 0
     rate_limited: int = 0
     errors: int = 0
+    pace_factor: float = 1.0
+    """How much the probe/listing intervals are stretched to fit the shared quota (1 = not)."""
+
+
+class QuotaPacer:
+    """Stretches an interval so the burn rate seen on a shared quota fits what is left of it.
+
+    Every replica sharing a token sees the same ``RateLimit`` remaining count fall; from two
+    readings it knows the fleet's burn rate, hence the requests the window would still take at
+    this pace. When that exceeds ``share`` of what remains, the interval grows by the ratio
+    (each replica does the same, so the fleet slows together); it shrinks back as room returns.
+    """
+
+    def __init__(self, share: float = 0.5, max_factor: float = 64.0) -> None:
+        self.share = share
+        self.max_factor = max_factor
+        self.factor = 1.0
+        self._last: tuple[float, int, float] | None = None
+
+    def update(self, remaining: int, reset_s: float, now: float) -> float:
+        """Feed one reading (requests left, seconds to reset); returns the interval factor."""
+        last, reset_at = self._last, now + reset_s
+        self._last = (now, remaining, reset_at)
+        if last is None or remaining > last[1] or abs(last[2] - reset_at) > 1.5 or now <= last[0]:
+            return self.factor  # first reading or a new window: no burn rate yet
+        burn = (last[1] - remaining) / (now - last[0])
+        budget = self.share * remaining
+        target = self.max_factor if budget <= 0 else self.factor * burn * reset_s / budget
+        self.factor = min(self.max_factor, max(1.0, target))
+        return self.factor
 
 
 class StepWatcher:
@@ -84,7 +114,9 @@ class StepWatcher:
     ``listing_interval_s`` between safety-net listings once a step is known (and
     ``empty_listing_interval_s`` while the bucket has none); ``use_events`` to follow the
     store's feed when it has one, ``events_retry_s`` before trying an unavailable feed again,
-    ``events_min_connect_interval_s`` between feed connections; ``retry_policy`` for backoff.
+    ``events_min_connect_interval_s`` between feed connections; ``retry_policy`` for backoff;
+    ``pace_to_quota`` stretches intervals when the store reports a shared quota running out
+    (:class:`QuotaPacer`, from the Hub's ``RateLimit`` headers).
     """
 
     def __init__(
@@ -98,6 +130,7 @@ class StepWatcher:
         events_retry_s: float = 600.0,
         events_min_connect_interval_s: float = 30.0,
         retry_policy: RetryPolicy | None = None,
+        pace_to_quota: bool = True,
     ) -> None:
         if probe_interval_s <= 0 or listing_interval_s < probe_interval_s:
             raise ConfigError(
@@ -120,6 +153,8 @@ class StepWatcher:
         self._events_task: asyncio.Task[None] | None = None
         self._feed_live = False
         self._failures = 0
+        self.pace_to_quota = pace_to_quota
+        self._pacers = {"api": QuotaPacer(), "resolve": QuotaPacer()}
 
     # -- public ------------------------------------------------------------------------------
 
@@ -161,7 +196,7 @@ class StepWatcher:
             else:
                 self.stats.mode = "polling"
                 if not await self._probe(after):
-                    await self._sleep_or_wake(self._jittered(self.probe_interval_s))
+                    await self._sleep_or_wake(self._probe_pause())
             self._failures = 0
         except TransientStoreError as exc:
             await self._back_off(exc)
@@ -173,12 +208,29 @@ class StepWatcher:
         interval = (
             self.listing_interval_s if self.latest is not None else self.empty_listing_interval_s
         )
-        return (self._listed_at or 0.0) + interval
+        return (self._listed_at or 0.0) + interval * self._pacers["api"].factor
+
+    def _pace(self, kind: str) -> float:
+        """Interval factor for quota ``kind`` from the store's last ``RateLimit`` reading."""
+        quota_left = getattr(self.store, "quota_left", None)
+        reading = quota_left(kind) if quota_left is not None and self.pace_to_quota else None
+        if reading is None:
+            return 1.0
+        factor = self._pacers[kind].update(reading[0], reading[1], time.monotonic())
+        self.stats.pace_factor = max(p.factor for p in self._pacers.values())
+        return factor
+
+    def _probe_pause(self) -> float:
+        pause = self._jittered(self.probe_interval_s) * self._pace("resolve")
+        quota_left = getattr(self.store, "quota_left", None)
+        reading = quota_left("resolve") if quota_left is not None else None
+        return min(pause, max(self.probe_interval_s, reading[1])) if reading else pause
 
     async def _list(self) -> None:
         self.stats.listings += 1
         infos = await self.store.list("manifests/")
         self._listed_at = time.monotonic()
+        self._pace("api")
         steps = sorted(s for s in (step_of(i.path) for i in infos) if s is not None)
         for step in steps[-2:]:
             self._note(step)
@@ -287,4 +339,4 @@ class StepWatcher:
         return cursor
 
 
-__all__ = ["StepWatcher", "WatcherStats", "manifest_name", "step_of"]
+__all__ = ["QuotaPacer", "StepWatcher", "WatcherStats", "manifest_name", "step_of"]

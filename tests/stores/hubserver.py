@@ -147,6 +147,10 @@ class HubServer:
         """Store an object as an upload would, emitting an event."""
         asyncio.run_coroutine_threadsafe(self._store(bucket_id, path, data), self._loop).result(10)
 
+    def set_quota(self, kind: str, limit: int, window_s: float) -> None:
+        """Replace quota ``api`` or ``resolve`` with a fresh window."""
+        self.quotas[kind] = Quota(limit, window_s)
+
     def requests(self, kind: str | None = None) -> list[dict[str, Any]]:
         return [r for r in list(self.log) if kind is None or r["kind"] == kind]
 
@@ -238,7 +242,7 @@ class HubServer:
         prefix = unquote(request.match_info.get("prefix", "")).strip("/")
         under = sorted(p for p in files if not prefix or p.startswith(prefix + "/"))
         if prefix and not under:
-            raise self._error(404, "EntryNotFound", f"{prefix} not found")
+            raise self._error(404, "EntryNotFound", f"{prefix} not found", headers)
         cursor = int(request.query.get("cursor", "0"))
         page = under[cursor : cursor + self.page_size]
         body = [_file_entry(p, files[p]) for p in page]
@@ -283,7 +287,7 @@ class HubServer:
         bucket_id, files = self._bucket(request)
         path = unquote(request.match_info["path"])
         if path not in files:
-            raise self._error(404, "EntryNotFound", f"{path} not found")
+            raise self._error(404, "EntryNotFound", f"{path} not found", headers)
         data = files[path]
         expires = str(int(time.time()) + 3600)
         sig = _sign(bucket_id, path, expires)

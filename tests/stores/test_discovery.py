@@ -6,7 +6,9 @@ import asyncio
 import time
 from typing import Any
 
-from vllm_deltasync.discovery import StepWatcher, manifest_name, step_of
+import pytest
+
+from vllm_deltasync.discovery import QuotaPacer, StepWatcher, manifest_name, step_of
 from vllm_deltasync.stores import open_store
 
 
@@ -103,3 +105,44 @@ def test_empty_bucket_times_out(tmp_path: Any, run: Any) -> None:
     assert run(watcher.wait_for_new(None, 0.5)) is None
     assert 0.45 < time.monotonic() - started < 2.0
     assert watcher.stats.listings >= 3
+
+
+def test_probing_slows_down_to_fit_a_shared_quota(hub: Any, hf_store: Any, run: Any) -> None:
+    """A probe every 10 ms would spend a 40-per-3 s quota in 0.4 s; paced, it never hits 429."""
+    run(hf_store.write(manifest_name(1), b"{}"))
+
+    def probe_for_two_seconds(pace: bool) -> tuple[StepWatcher, list[int]]:
+        hub.set_quota("resolve", limit=40, window_s=3.0)
+        hub.log.clear()
+        watcher = StepWatcher(hf_store, probe_interval_s=0.01, use_events=False, pace_to_quota=pace)
+        assert run(watcher.wait_for_new(1, 2.0)) is None
+        return watcher, [r["status"] for r in hub.requests("resolve")]
+
+    paced, statuses = probe_for_two_seconds(True)
+    assert 429 not in statuses and 5 <= len(statuses) <= 40
+    assert paced.stats.pace_factor > 5
+    unpaced, statuses = probe_for_two_seconds(False)
+    assert 429 in statuses and unpaced.stats.pace_factor == 1.0
+
+
+def _fleet_requests(
+    limit: int, window_s: float, interval_s: float, replicas: int, pace: bool
+) -> int:
+    """Requests a fleet probing on one shared quota sends in one window (event simulation)."""
+    pacers = [QuotaPacer() for _ in range(replicas)]
+    next_at = [i * interval_s / replicas for i in range(replicas)]
+    used = 0
+    while (now := min(next_at)) < window_s:
+        i = next_at.index(now)
+        used += 1
+        factor = pacers[i].update(max(0, limit - used), window_s - now, now) if pace else 1.0
+        next_at[i] = now + min(interval_s * factor, max(interval_s, window_s - now))
+    return used
+
+
+@pytest.mark.parametrize("interval_s", [0.5, 1.0, 2.0])
+def test_pacer_keeps_32_replicas_inside_the_free_tier(interval_s: float) -> None:
+    unpaced = _fleet_requests(5000, 300.0, interval_s, 32, pace=False)
+    paced = _fleet_requests(5000, 300.0, interval_s, 32, pace=True)
+    assert paced <= 5000  # no 429 for anyone (unpaced at 1 s: 9600)
+    assert paced < unpaced

@@ -29,6 +29,7 @@ import asyncio
 import builtins
 import json
 import os
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from typing import Any
 from urllib.parse import quote, urljoin, urlsplit
@@ -54,7 +55,7 @@ from ._hfhttp import (
     resolve_token,
 )
 from ._parts import Chunks, RangedReader, parse_content_range, range_header
-from ._retry import RateGate, RetryPolicy, retry
+from ._retry import RateGate, RetryPolicy, parse_remaining, parse_retry_after, retry
 from .base import ObjectInfo, Store
 from .local import check_path
 
@@ -107,6 +108,7 @@ class HfStore(Store):
             total=None, sock_connect=30, sock_read=request_timeout_s
         )
         self.gates = {"api": RateGate("api"), "resolve": RateGate("resolve")}
+        self._quota: dict[str, tuple[int, float]] = {}
         self.resumed_bytes = 0
 
     @classmethod
@@ -147,13 +149,14 @@ class HfStore(Store):
         return count
 
     async def _once(
-        self, method: str, url: str, what: str, ok404: bool, kw: dict[str, Any]
+        self, kind: str, method: str, url: str, what: str, ok404: bool, kw: dict[str, Any]
     ) -> tuple[int, Mapping[str, str], bytes, dict[str, Any]]:
         """One request: (status, headers, body, links); a 404 is returned when ``ok404``."""
         try:
             async with self._http().request(
                 method, URL(url, encoded=True), headers=self._auth(url), allow_redirects=False, **kw
             ) as resp:
+                self._note_quota(kind, resp.headers)
                 body = await resp.read()
                 if resp.status == 404 and ok404:
                     return 404, resp.headers, body, {}
@@ -179,7 +182,7 @@ class HfStore(Store):
         """``_once`` with retries, the quota's rate gate and request counters."""
 
         def once() -> Awaitable[tuple[int, Mapping[str, str], bytes, dict[str, Any]]]:
-            return self._once(method, url, what, ok404, kw)
+            return self._once(kind, method, url, what, ok404, kw)
 
         try:
             result = await retry(
@@ -197,6 +200,19 @@ class HfStore(Store):
             raise
         self.stats.count(op, "not_found" if result[0] == 404 else "ok")
         return result
+
+    def _note_quota(self, kind: str, headers: Mapping[str, str]) -> None:
+        remaining, reset_s = parse_remaining(headers), parse_retry_after(headers)
+        if remaining is not None and reset_s is not None:
+            self._quota[kind] = (remaining, time.monotonic() + reset_s)
+
+    def quota_left(self, kind: str) -> tuple[int, float] | None:
+        """(requests left, seconds to the window's reset) of quota ``api`` or ``resolve``, from
+        the last ``RateLimit`` header seen; None when the server sent none."""
+        if kind not in self._quota:
+            return None
+        remaining, reset_at = self._quota[kind]
+        return remaining, max(0.0, reset_at - time.monotonic())
 
     def _api(self, tail: str) -> str:
         return f"{self.endpoint}/api/buckets/{self.bucket_id}{tail}"
