@@ -188,6 +188,8 @@ def _budget_row(k: float, events: bool) -> dict[str, float]:
     with hubserver.HubServer() as hub:
         hub.faults.events_enabled = events
         hub.faults.events_max_s = 600.0 / k  # assumption: the Hub ends a feed every ~10 min
+        hub.set_quota("api", 1000, 300.0 / k)  # the 5-minute windows are compressed too
+        hub.set_quota("resolve", 5000, 300.0 / k)
         seen = asyncio.run(_follow(hub, k, duration_s, events))
         api = len(hub.requests("api"))
         resolve = len(hub.requests("resolve"))
