@@ -88,6 +88,7 @@ class Poller:
         self._staged: list[StagedStep] = []
         self._applied = applied_step
         self._applied_manifest: Manifest | None = None
+        self._applying: int | None = None
         self._generation = 0
         self._floor: int | None = None
         self.newest_step: int | None = None
@@ -138,6 +139,7 @@ class Poller:
                 )
             cut = steps.index(upto) + 1
             taken, self._staged = self._staged[:cut], self._staged[cut:]
+            self._applying = upto  # the chain tip while the worker writes (see _tip)
         self._signal_room()
         return taken
 
@@ -146,6 +148,9 @@ class Poller:
         with self._lock:
             self._applied = manifest.step
             self._applied_manifest = manifest
+            if self._applying is not None and self._applying <= manifest.step:
+                self._applying = None
+            self._staged = [s for s in self._staged if s.step > manifest.step]
 
     def reset(self, reason: str) -> None:
         """Forget the applied version (its weights are unknown now): next plan starts at an anchor."""
@@ -153,6 +158,7 @@ class Poller:
             self._staged.clear()
             self._applied = None
             self._applied_manifest = None
+            self._applying = None
             self._generation += 1
             self.last_error = reason
         self._signal_room()
@@ -191,8 +197,11 @@ class Poller:
                 self._loop.loop.call_soon_threadsafe(room.set)
 
     def _tip(self) -> int | None:
+        """The step the next plan starts from: staged tail, else the step being applied."""
         with self._lock:
-            return self._staged[-1].step if self._staged else self._applied
+            if self._staged:
+                return self._staged[-1].step
+            return self._applying if self._applying is not None else self._applied
 
     async def _main(self) -> None:
         self._room = asyncio.Event()

@@ -152,3 +152,28 @@ def test_loaded_step_lets_deltas_apply_without_the_anchor(tmp_path: Path) -> Non
         _wait(lambda: poller.ready_steps() == [2, 3])
     finally:
         poller.close()
+
+
+def test_a_step_being_applied_is_the_base_of_the_next_plan(tmp_path: Path) -> None:
+    """Between take() and mark_applied() (the worker writing) the poller must not replan from
+    the old applied step: it staged the anchor twice once, which stalled a TP=2 engine."""
+    url = f"file://{tmp_path}/bucket"
+    w, g = _weights(8), torch.Generator().manual_seed(9)
+    with DeltaPublisher(url, anchor_every=100) as pub:
+        pub.publish(0, w.items())
+        pub.flush()
+        poller = Poller(SyncConfig(url=url, poll_interval_s=0.05), _patches_bytes)
+        poller.start()
+        try:
+            _wait(lambda: poller.ready_steps() == [0])
+            (taken,) = poller.take(0)  # the worker is "writing" step 0 from here on
+            _step(w, g)
+            pub.publish(1, w.items())
+            pub.flush()
+            _wait(lambda: 1 in poller.ready_steps())
+            time.sleep(0.2)
+            assert poller.ready_steps() == [1]
+            poller.mark_applied(taken.manifest)
+            assert poller.ready_steps() == [1] and poller.applied_step == 0
+        finally:
+            poller.close()
