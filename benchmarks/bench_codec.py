@@ -134,18 +134,24 @@ def throughput_table(delta: Delta, repeat: int = 3) -> str:
     """Encode/decode GB/s of encoded bytes per core, and the same bytes through memcpy."""
     changed = delta.changed()
     n = sum(i.numel() for i in changed.values())
-    rows = ["| codec | B/el | encode GB/s | decode GB/s | memcpy GB/s | decode ns/el | decode / memcpy |",
-            "|---|---|---|---|---|---|---|"]
+    rows = ["| codec | B/el | encode GB/s | decode GB/s | memcpy GB/s | decode ns/el | decode / memcpy "
+            "| decode GB/s, largest tensor |", "|---|---|---|---|---|---|---|---|"]
+    big = max(range(len(changed)), key=lambda k: list(changed.values())[k].numel())
     for name in CODECS:
         codec = get_codec(name)
         encoded, enc_s = encode_all(codec, delta, changed)
         nbytes = _nbytes(encoded)
-        dec_s = sum(_best_cpu_s(functools.partial(codec.decode, r, m, c), repeat) for r, m, c in encoded)
+        times = [_best_cpu_s(functools.partial(codec.decode, r, m, c), repeat) for r, m, c in encoded]
+        dec_s = sum(times)
         src = torch.empty(nbytes, dtype=torch.uint8).random_(0, 255)
         dst = torch.empty_like(src)
         cpy_s = _best_cpu_s(functools.partial(dst.copy_, src), repeat * 3)
+        big_gbs = _nbytes(encoded[big:big + 1]) / times[big] / 1e9
         rows.append(f"| {name} | {nbytes / n:.3f} | {nbytes / enc_s / 1e9:.3f} | {nbytes / dec_s / 1e9:.3f} | "
-                    f"{nbytes / cpy_s / 1e9:.2f} | {dec_s / n * 1e9:.2f} | {cpy_s / dec_s:.3f} |")
+                    f"{nbytes / cpy_s / 1e9:.2f} | {dec_s / n * 1e9:.2f} | {cpy_s / dec_s:.3f} | {big_gbs:.3f} |")
+    biggest = list(changed)[big]
+    rows.append(f"\nLargest tensor: `{biggest}`, {changed[biggest].numel():,} changed elements. The first "
+                "columns sum every tensor's decode, so they include the per-call overhead of small tensors.")
     return "\n".join(rows)
 
 
