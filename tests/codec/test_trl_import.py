@@ -115,3 +115,22 @@ def test_foreign_delta_is_refused(tmp_path: Path) -> None:
     (tmp_path / "trl/deltas/step_000001.safetensors").write_bytes(trl_file(bad, {"format": "other"}))
     with DeltaPublisher(f"file://{tmp_path}/ours") as pub, pytest.raises(FormatError, match="sparse_weight_patch"):
         TrlImporter(f"file://{tmp_path}/trl", pub).import_new()
+
+
+def test_a_failed_import_resumes_where_it_stopped(tmp_path: Path) -> None:
+    trainer = TrlTrainer(tmp_path / "trl")
+    for step in range(4):
+        trainer.step(step)
+    delta2 = tmp_path / "trl/deltas/step_000002.safetensors"
+    good = delta2.read_bytes()
+    delta2.write_bytes(b"not a safetensors file")
+    dst = f"file://{tmp_path}/ours"
+    with DeltaPublisher(dst, codec="sparse-v2") as pub:
+        importer = TrlImporter(f"file://{tmp_path}/trl", pub)
+        with pytest.raises(FormatError, match="step_000002"):
+            importer.import_new()
+        assert pub.last_step == 1
+        delta2.write_bytes(good)
+        assert importer.import_new() == [2, 3]
+    for step in (1, 3):
+        _assert_same(_read_full(dst, step), trainer.history[step])
