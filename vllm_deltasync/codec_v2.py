@@ -48,9 +48,8 @@ _DTYPES = {str(d).removeprefix("torch."): d for d in (torch.uint8, torch.int16, 
 
 
 def _zigzag(diff: np.ndarray) -> np.ndarray:
-    """int16 -> int32 codes in [0, 65535]: 0, -1, 1, -2, ... -> 0, 1, 2, 3, ..."""
-    d = diff.astype(np.int32)
-    return ((d << 1) ^ (d >> 31)) & 0xFFFF
+    """int16 -> uint16 codes: 0, -1, 1, -2, ... -> 0, 1, 2, 3, ... (wrapping int16 arithmetic)."""
+    return ((diff << 1) ^ (diff >> 15)).view(np.uint16)
 
 
 _LUT8 = ((lambda z: (z >> 1) ^ -(z & 1))(torch.arange(256, dtype=torch.int32))).to(torch.int16)
@@ -64,27 +63,35 @@ def _overflow_dtype(values: np.ndarray) -> type:
     return np.int16 if top < 2**15 else np.int32 if top < 2**31 else np.int64
 
 
-def _gap_width(gaps: np.ndarray) -> int:
+def _gap_width(gaps: np.ndarray, escaped8: int) -> int:
     """8 or 16 bits, whichever gives fewer bytes (the escape list counted at 2 bytes)."""
-    def size(bits: int) -> int:
-        return bits // 8 * gaps.size + 2 * int(np.count_nonzero(gaps >= (1 << bits) - 1))
-    return 8 if size(8) <= size(16) else 16
+    if 2 * escaped8 <= gaps.size:  # 8-bit fields cost at most 2n: never more than 16-bit ones
+        return 8
+    escaped16 = int(np.count_nonzero(gaps >= 0xFFFF))
+    return 8 if gaps.size + 2 * escaped8 <= 2 * gaps.size + 2 * escaped16 else 16
 
 
-def _value_width(codes: np.ndarray) -> int:
+def _value_width(codes: np.ndarray, escaped4: int) -> int:
     n = codes.size
-    sizes = {4: (n + 1) // 2 + 2 * int(np.count_nonzero(codes >= 15)),
-             8: n + 2 * int(np.count_nonzero(codes >= 255)), 16: 2 * n}
+    if 4 * escaped4 <= n:  # 4-bit fields then cost at most n bytes: never more than 8 or 16 bits
+        return 4
+    sizes = {4: (n + 1) // 2 + 2 * escaped4, 8: n + 2 * int(np.count_nonzero(codes >= 255)), 16: 2 * n}
     return min(sizes, key=lambda w: (sizes[w], w))
 
 
 def _encode_gaps(idx: np.ndarray, roles: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
-    gaps = np.diff(idx, prepend=idx[:1])
-    bits = _gap_width(gaps)
+    gaps = np.empty_like(idx)
+    gaps[:1] = 0
+    np.subtract(idx[1:], idx[:-1], out=gaps[1:])
+    big = gaps >= 0xFF
+    bits = _gap_width(gaps, int(np.count_nonzero(big)))
+    if bits == 16:
+        big = gaps >= 0xFFFF
     escape = (1 << bits) - 1
-    fields = np.minimum(gaps, escape).astype(np.uint8 if bits == 8 else np.uint16)
+    fields = gaps.astype(np.uint8 if bits == 8 else np.uint16)
+    over = gaps[big] - escape
+    fields[big] = escape
     roles["gaps"] = torch.from_numpy(fields if bits == 8 else fields.view(np.int16))
-    over = gaps[gaps >= escape] - escape
     meta["gap_bits"], meta["gap_escapes"] = bits, over.size
     if over.size:
         roles["gap_overflow"] = torch.from_numpy(over.astype(_overflow_dtype(over)))
@@ -96,18 +103,21 @@ def _encode_values(new: torch.Tensor, old: torch.Tensor | None, roles: dict[str,
         return
     diff = new.view(torch.int16).numpy() - old.cpu().contiguous().view(torch.int16).numpy()
     codes = _zigzag(diff)
-    width = _value_width(codes)
+    big = codes >= 15
+    width = _value_width(codes, int(np.count_nonzero(big)))
     meta["values"] = f"diff{width}"
     if width == 16:
         roles["values"], meta["value_escapes"] = torch.from_numpy(diff), 0
         return
-    escape = (1 << width) - 1
-    fields = np.minimum(codes, escape).astype(np.uint8)
+    if width == 8:
+        big = codes >= 255
+    fields: np.ndarray = codes.astype(np.uint8)
+    fields[big] = (1 << width) - 1
     if width == 4:
         if fields.size % 2:
             fields = np.append(fields, np.uint8(0))
         fields = fields[0::2] | (fields[1::2] << 4)
-    over = diff[codes >= escape]
+    over = diff[big]
     roles["values"], meta["value_escapes"] = torch.from_numpy(fields), over.size
     if over.size:
         roles["value_overflow"] = torch.from_numpy(over)
