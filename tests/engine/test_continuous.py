@@ -9,6 +9,7 @@ agree position by position across ranks, and start and end must be equal within 
 from __future__ import annotations
 
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -40,10 +41,12 @@ def test_no_model_step_mixes_versions_across_or_within_ranks(tmp_path: Path) -> 
         llm = make_llm(model_dir, tp, extension=True)
         try:
             wait_applied(llm, 0)
-            done = threading.Event()
+            done, generating = threading.Event(), threading.Event()
 
             def train() -> None:
+                generating.wait(timeout=120)
                 for step in range(1, STEPS + 1):
+                    time.sleep(0.4)  # a step every ~0.5 s while batches keep running
                     trainer.step()
                     pub.publish(step, trainer.named_tensors())
                     pub.flush()
@@ -54,6 +57,7 @@ def test_no_model_step_mixes_versions_across_or_within_ranks(tmp_path: Path) -> 
             outputs = []
             while not done.is_set() or len(outputs) < 2:
                 outputs.extend(llm.generate(prompts, params, use_tqdm=False))
+                generating.set()
             thread.join()
             wait_applied(llm, STEPS)
             outputs.extend(llm.generate(prompts, params, use_tqdm=False))

@@ -64,6 +64,22 @@ def _wait_synced(metrics: str, step: int, proc: subprocess.Popen, log: Path) -> 
     pytest.fail(f"step {step} never synced:\n" + log.read_text()[-4000:])
 
 
+def _wait_health(api: str, proc: subprocess.Popen, log: Path) -> None:
+    """The engine core (and its /synced) can be up before the API server listens."""
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            pytest.fail("server exited:\n" + log.read_text()[-4000:])
+        try:
+            with urllib.request.urlopen(api + "/health", timeout=2) as resp:
+                if resp.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.5)
+    pytest.fail("API server never became healthy:\n" + log.read_text()[-4000:])
+
+
 @requires_vllm
 @pytest.mark.engine
 def test_openai_server_follows_bucket_with_env_only(tmp_path: Path) -> None:
@@ -88,6 +104,7 @@ def test_openai_server_follows_bucket_with_env_only(tmp_path: Path) -> None:
              "--max-model-len", "512", "--max-num-seqs", "4", "--dtype", "bfloat16"],
             env=env, stdout=log, stderr=subprocess.STDOUT)
         try:
+            _wait_health(api, proc, log_path)
             _wait_synced(metrics, 0, proc, log_path)
             first = _complete(api, str(model_dir))
             for step in range(1, 5):
