@@ -109,7 +109,9 @@ def _measure(name: str, kw: dict[str, Any], tmp: Path) -> dict[str, Any]:
     tensors = load_file(str(model_dir / "model.safetensors"))
     url = f"file://{tmp}/bucket-{name}"
     os.environ.update({"VLLM_DELTASYNC_URL": url, "VLLM_DELTASYNC_POLL_INTERVAL_S": "0.1",
-                       "VLLM_DELTASYNC_METRICS_PORT": "0"})
+                       "VLLM_DELTASYNC_METRICS_PORT": "0",
+                       # the reload baseline is sent to the worker as a function (bench only)
+                       "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"})
     with DeltaPublisher(url, anchor_every=100) as pub:
         pub.publish(0, tensors.items())
         pub.flush()
@@ -128,8 +130,9 @@ def _measure(name: str, kw: dict[str, Any], tmp: Path) -> dict[str, Any]:
             path = str(tmp / f"{name}-step1.safetensors")
             save_file(tensors, path)
             reload = llm.collective_rpc(_worker_reload, args=(path,))[0]
-            digests_ok = llm.collective_rpc("deltasync_weight_digests") == llm.collective_rpc(
-                "deltasync_checkpoint_digests", args=(path,))
+            live = llm.collective_rpc("deltasync_weight_digests")[0]
+            want = llm.collective_rpc("deltasync_checkpoint_digests", args=(path,))[0]
+            differ = sorted(n for n in want if live.get(n) != want[n])
         finally:
             with contextlib.suppress(Exception):
                 llm.llm_engine.engine_core.shutdown()
@@ -140,7 +143,7 @@ def _measure(name: str, kw: dict[str, Any], tmp: Path) -> dict[str, Any]:
             "delta_bytes": status["last_apply"]["downloaded_bytes"],
             "staged_bytes": status["last_apply"]["staged_bytes"], "delta_peak": delta_peak,
             "reload_s": reload["seconds"], "reload_peak": reload["peak_extra"],
-            "reload_same_addresses": reload["same_addresses"], "digests_ok": digests_ok}
+            "reload_same_addresses": reload["same_addresses"], "differ": differ}
 
 
 def _mb(n: float) -> str:
@@ -171,7 +174,7 @@ def run(quick: bool = False) -> str:
             f"| {_mb(r['delta_bytes'])} | {r['pause_s'] * 1e3:.2f} ms | {r['apply_s'] * 1e3:.2f} ms "
             f"| {r['reload_s'] * 1e3:.1f} ms | {r['reload_s'] / r['pause_s']:.1f}x "
             f"| {_mb(r['delta_peak'])} | {_mb(r['reload_peak'])} | {r['reload_same_addresses']} "
-            f"| {'equal' if r['digests_ok'] else 'DIFFER'} |"
+            f"| {'equal' if not r['differ'] else 'differ: ' + ', '.join(r['differ'][:4])} |"
         )
     lines += [
         "",
