@@ -132,7 +132,7 @@ def _measure(name: str, kw: dict[str, Any], tmp: Path) -> dict[str, Any]:
             reload = llm.collective_rpc(_worker_reload, args=(path,))[0]
             live = llm.collective_rpc("deltasync_weight_digests")[0]
             want = llm.collective_rpc("deltasync_checkpoint_digests", args=(path,))[0]
-            differ = sorted(n for n in want if live.get(n) != want[n])
+            differ = sorted(n for n in live if live[n] != want.get(n))
         finally:
             with contextlib.suppress(Exception):
                 llm.llm_engine.engine_core.shutdown()

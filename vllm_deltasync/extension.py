@@ -222,6 +222,8 @@ _ST_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "F64": "fl
 
 def _safetensors_files(model: str) -> list[Path]:
     path = Path(model)
+    if path.is_file() and path.suffix == ".safetensors":
+        return [path]
     if not path.is_dir():
         try:
             from huggingface_hub import snapshot_download
@@ -306,7 +308,8 @@ class DeltaSyncExtension:
 
     def deltasync_checkpoint_digests(self, path: str,
                                      names: Iterable[str] | None = None) -> dict[str, str]:
-        """The digests this rank would report if it held the safetensors checkpoint at ``path``."""
+        """The digests this rank would report if it held the checkpoint at ``path`` (a
+        directory of ``*.safetensors`` or one file)."""
         from safetensors.torch import load_file
 
         from .apply import checkpoint_digest
@@ -315,6 +318,8 @@ class DeltaSyncExtension:
         tensors: dict[str, torch.Tensor] = {}
         for f in _safetensors_files(path):
             tensors.update(load_file(str(f)))
+        if not tensors:
+            raise ApplyError(f"no safetensors checkpoint at {path!r}")
         return {n: checkpoint_digest(state.shardmap, n, tensors[n])
                 for n in _digest_names(state, names) if n in tensors}
 
