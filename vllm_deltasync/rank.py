@@ -1,0 +1,216 @@
+"""One rank's state behind the worker extension: shard map, poller, apply, step trace.
+
+Built on the worker's main thread by ``DeltaSyncExtension.deltasync_start`` and kept in the
+worker's ``_deltasync`` attribute. It reads a few attributes of the vLLM worker it is given
+(``rank``, ``model_runner.model``, ``vllm_config.model_config.model``) but imports no vLLM.
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import os
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .config import SyncConfig
+from .errors import ApplyError, ChainError
+
+
+class RankState:
+    """Everything one rank keeps: config, shard map, poller, counters, the step trace."""
+
+    def __init__(self, worker: Any, config: SyncConfig) -> None:
+        from .manifest import fingerprint
+        from .metrics import WorkerStats
+        from .poller import Poller
+        from .shardmap import ShardMap
+
+        self.config = config
+        self.rank = int(getattr(worker, "rank", 0))
+        self.model = worker.model_runner.model
+        params = checkpoint_params(worker.vllm_config.model_config.model)
+        self.checkpoint = params
+        self.shardmap = ShardMap.from_model(self.model, params)
+        self.param_ids = _param_ids(self.model)
+        self.fingerprint = fingerprint((n, s, d) for n, (s, d) in params.items())
+        self.stats = WorkerStats()
+        self.trace: collections.deque[tuple[int, int, int, int]] = collections.deque(
+            maxlen=config.debug_ring_size
+        )
+        self.model_steps = 0
+        self.last_apply: dict[str, Any] | None = None
+        self.last_error: str | None = None
+        names = set(self.shardmap.names)
+        self.poller = Poller(
+            config,
+            self.prepare,
+            select=lambda n: n not in names or bool(self.shardmap.targets(n)),
+            fingerprint=self.fingerprint,
+            applied_step=config.loaded_step,
+            rank=self.rank,
+            stats=self.stats,
+        )
+
+    def prepare(self, manifest: Any, patches: list[Any]) -> tuple[Any, int]:
+        """Poller thread: translate to this rank's shards and move to the device."""
+        from .apply import prepare
+        from .shardmap import translate_all
+
+        pieces = prepare(translate_all(self.shardmap, patches))
+        if pieces and pieces[0].param.device.type == "cuda":
+            torch.cuda.current_stream(pieces[0].param.device).synchronize()
+        nbytes = sum(
+            p.values.numel() * p.values.element_size()
+            + (p.indices.numel() * p.indices.element_size() if p.indices is not None else 0)
+            for p in pieces
+        )
+        return pieces, nbytes
+
+    def apply(self, step: int) -> dict[str, Any]:
+        """Main thread, between model steps: write every staged step up to ``step``."""
+        from .apply import apply_patches
+
+        self._check_params_unchanged()
+        taken = self.poller.take(step)
+        applied = self.poller.applied_step
+        for staged in taken:  # check the whole chain before writing anything
+            m = staged.manifest
+            if m.kind == "delta" and m.base_step != applied:
+                raise ChainError(
+                    f"rank {self.rank}: step {m.step} applies on step {m.base_step}, "
+                    f"the engine holds step {applied}"
+                )
+            applied = m.step
+        started = time.perf_counter()
+        written = 0
+        for staged in taken:
+            t0 = time.perf_counter()
+            n = apply_patches(staged.payload)
+            _synchronize(staged.payload)
+            written += n
+            self.poller.mark_applied(staged.manifest)
+            kind = "anchor" if staged.manifest.kind == "anchor" else "delta"
+            self.stats.add_apply(kind, time.perf_counter() - t0, n)
+        self.last_apply = {
+            "step": step,
+            "steps": [s.step for s in taken],
+            "kinds": [s.manifest.kind for s in taken],
+            "apply_s": time.perf_counter() - started,
+            "written": written,
+            "downloaded_bytes": sum(s.downloaded_bytes for s in taken),
+            "staged_bytes": sum(s.nbytes for s in taken),
+            "changed": sum(s.manifest.totals.changed for s in taken),
+            "numel": taken[-1].manifest.totals.elements,
+            "published_at": taken[-1].manifest.created_at,
+            "at": time.time(),
+        }
+        return dict(self.last_apply)
+
+    def _check_params_unchanged(self) -> None:
+        """vLLM's reload_weights may replace parameters: then re-derive the map, go to an anchor."""
+        if _param_ids(self.model) == self.param_ids:
+            return
+        from .shardmap import ShardMap
+
+        self.shardmap = ShardMap.from_model(self.model, self.checkpoint)
+        self.param_ids = _param_ids(self.model)
+        raise ApplyError(
+            f"rank {self.rank}: the model's parameters were replaced (reload_weights?); the shard "
+            "map was rebuilt and the engine resyncs through the next anchor"
+        )
+
+    def record_step(self, run: Callable[[], Any], num_tokens: int) -> Any:
+        """Run one model step and remember which version it ran on, at start and at end."""
+        before = _version(self.poller.applied_step)
+        try:
+            return run()
+        finally:
+            self.model_steps += 1
+            self.trace.append(
+                (self.model_steps, before, _version(self.poller.applied_step), num_tokens)
+            )
+
+    def status(self) -> dict[str, Any]:
+        out = self.poller.status()
+        if self.last_error and not out.get("last_error"):
+            out["last_error"] = self.last_error
+        out.update(
+            fingerprint=self.fingerprint,
+            last_apply=self.last_apply,
+            model_steps=self.model_steps,
+            pid=os.getpid(),
+        )
+        return out
+
+
+def _param_ids(model: torch.nn.Module) -> frozenset[int]:
+    return frozenset(id(p) for p in model.parameters())
+
+
+def _version(step: int | None) -> int:
+    return -1 if step is None else step
+
+
+def _synchronize(pieces: list[Any]) -> None:
+    if pieces and pieces[0].param.device.type == "cuda":
+        torch.cuda.synchronize(pieces[0].param.device)
+
+
+def checkpoint_params(model: str) -> dict[str, tuple[tuple[int, ...], str]]:
+    """Names, shapes and dtypes of the checkpoint vLLM loaded (safetensors headers only)."""
+    from safetensors import safe_open
+
+    files = safetensors_files(model)
+    if not files:
+        raise ApplyError(
+            f"no *.safetensors found for model {model!r}; deltasync needs the checkpoint's "
+            "parameter set to check the bucket against it (serve a safetensors checkpoint)"
+        )
+    out: dict[str, tuple[tuple[int, ...], str]] = {}
+    for path in files:
+        with safe_open(str(path), "pt") as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open has no __iter__
+                sl = f.get_slice(name)
+                dtype = str(_ST_DTYPES.get(sl.get_dtype(), sl.get_dtype())).replace("torch.", "")
+                out[name] = (tuple(sl.get_shape()), dtype)
+    return out
+
+
+_ST_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "F64": "float64",
+              "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8",
+              "BOOL": "bool"}
+
+
+def safetensors_files(model: str) -> list[Path]:
+    path = Path(model)
+    if path.is_file() and path.suffix == ".safetensors":
+        return [path]
+    if not path.is_dir():
+        try:
+            from huggingface_hub import snapshot_download
+
+            path = Path(snapshot_download(model, local_files_only=True,
+                                          allow_patterns=["*.safetensors"]))
+        except Exception:  # noqa: BLE001 - not in the local cache: reported by the caller
+            return []
+    return sorted(path.glob("*.safetensors"))
+
+
+def digest_names(state: RankState, names: Iterable[str] | None) -> list[str]:
+    sm = state.shardmap
+    chosen = list(names) if names is not None else sm.names
+    return [n for n in chosen if n not in sm.ignored and n not in sm.covered_by]
+
+
+def sha256_hex(t: torch.Tensor) -> str:
+    """``sha256:<hex>`` of a tensor's raw bytes (what a TP=1 rank reports for a whole tensor)."""
+    data = t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes()
+    return "sha256:" + hashlib.sha256(data).hexdigest()
+
+
+__all__ = ["RankState", "checkpoint_params", "digest_names", "safetensors_files", "sha256_hex"]
