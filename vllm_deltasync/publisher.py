@@ -85,7 +85,7 @@ class DeltaPublisher:
         anchor_every: int = 10,
         keep_anchors: int = 2,
         max_file_bytes: int = 256 << 20,
-        codec: str = "sparse-v1",
+        codec: str = "sparse-v2",
         max_pending_steps: int = 2,
         store_options: Mapping[str, Any] | None = None,
         on_commit: Callable[[Manifest], None] | None = None,
@@ -97,7 +97,9 @@ class DeltaPublisher:
             anchor_every: every ``anchor_every``-th publish is an anchor (every parameter).
             keep_anchors: retention keeps the newest ``keep_anchors`` anchors and what follows.
             max_file_bytes: data files are split to stay about this size.
-            codec: delta encoding (``sparse-v1`` or a registered codec).
+            codec: delta encoding: ``sparse-v2`` (gap-coded positions + exact bf16 bit-pattern
+                differences, ~1.6 B per changed element), ``sparse-v2-zstd``, or ``sparse-v1``
+                (TRL's int32 index + bf16 value layout, 6 B); docs/codec.md.
             max_pending_steps: steps queued for upload before ``publish`` waits.
             store_options: passed to the store backend.
             on_commit: called on the upload thread with each committed manifest.

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import SPECIAL_BITS, bits_to_bf16
+from .conftest import SPECIAL_BITS, bits_to_bf16
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 

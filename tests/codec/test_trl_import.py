@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import trl_delta_meta, trl_file
+from .conftest import trl_delta_meta, trl_file
 
 from vllm_deltasync._bridge import run_sync
 from vllm_deltasync.cli import main

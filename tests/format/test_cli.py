@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import REPO, Trainer, publish_run
+from .conftest import REPO, Trainer, publish_run
 
 import vllm_deltasync
 from vllm_deltasync import cli

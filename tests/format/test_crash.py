@@ -10,7 +10,7 @@ import sys
 import time
 from pathlib import Path
 
-from conftest import REPO, Trainer, bits_equal, data_dirs, manifest_steps, read_full, run_cli
+from .conftest import REPO, Trainer, bits_equal, data_dirs, manifest_steps, read_full, run_cli
 
 from vllm_deltasync import BucketReader, DeltaPublisher
 
@@ -38,7 +38,7 @@ sys.modules["hang_store"] = module
 register_store("hang", "hang_store", "HangAtManifest")
 gen = torch.Generator().manual_seed(1)
 w = {"a": torch.randn(64, 64, generator=gen), "b": torch.randn(300, generator=gen)}
-pub = DeltaPublisher("hang://" + sys.argv[1], anchor_every=10, max_file_bytes=4096)
+pub = DeltaPublisher("hang://" + sys.argv[1], anchor_every=10, max_file_bytes=1024)
 for step in range(5):
     w["a"].add_(1e-3 * torch.randn(64, 64, generator=gen))
     w["b"].add_(1e-3 * torch.randn(300, generator=gen))

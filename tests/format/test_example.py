@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from conftest import REPO, run_cli
+from .conftest import REPO, run_cli
 
 from vllm_deltasync.cli import main
 

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from conftest import Trainer, bits_equal, publish_run, read_full, run_cli
+from .conftest import Trainer, bits_equal, publish_run, read_full, run_cli
 from safetensors.torch import load_file
 
 from vllm_deltasync import BucketReader

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import (
+from .conftest import (
     GatedStore,
     Trainer,
     bits_equal,

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 import yaml
-from conftest import DEPLOY, need_binary
+from .conftest import DEPLOY, need_binary
 from prometheus_client import CollectorRegistry
 
 from vllm_deltasync import metrics

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import http_get, parse_exposition, sample
+from .conftest import http_get, parse_exposition, sample
 from prometheus_client import CollectorRegistry
 
 from vllm_deltasync import metrics

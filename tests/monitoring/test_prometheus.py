@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 import torch
 import yaml
-from conftest import DEPLOY, http_get, scrape_config
+from .conftest import DEPLOY, http_get, scrape_config
 
 from vllm_deltasync import cli, metrics
 from vllm_deltasync.errors import DeltaSyncError, FormatError, IntegrityError, StoreError
@@ -83,8 +83,10 @@ class Follower:
             flat = self.weights[p.name]
             if p.indices is None:
                 flat[p.offset:p.offset + p.values.numel()] = p.values
+            elif p.relative:  # int16 differences of bf16 bit patterns (sparse-v2), mod 2^16
+                bits = flat.view(torch.int16)
+                bits.index_copy_(0, p.indices, bits[p.indices] + p.values)
             else:
-                assert not p.relative, "this follower handles absolute values only"
                 flat.index_copy_(0, p.indices, p.values)
             changed += p.values.numel()
         self.stats.add_apply(m.kind, time.perf_counter() - start, changed)

@@ -8,7 +8,7 @@ import json
 from collections.abc import Iterator
 
 import pytest
-from conftest import free_port
+from .conftest import free_port
 
 from vllm_deltasync import cli, metrics
 from vllm_deltasync.errors import ConfigError

@@ -6,7 +6,7 @@ from collections.abc import Iterable
 
 import pytest
 import torch
-from conftest import TPWorld
+from .conftest import TPWorld
 
 from vllm_deltasync.apply import apply_patches, checkpoint_digest, prepare, tensor_digest
 from vllm_deltasync.codec import TensorPatch

@@ -11,7 +11,7 @@ import json
 import os
 
 import pytest
-from conftest import RECORDED, TPWorld
+from .conftest import RECORDED, TPWorld
 
 from vllm_deltasync.shardmap import ShardMap
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import TPWorld, random_checkpoint, sha256_bytes, state_bits
+from .conftest import TPWorld, random_checkpoint, sha256_bytes, state_bits
 
 from vllm_deltasync.apply import apply_patches, checkpoint_digest, prepare, tensor_digest
 from vllm_deltasync.codec import TensorPatch
