@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from .conftest import SPECIAL_BITS, bits_to_bf16
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from vllm_deltasync.codec import TensorPatch, get_codec
 from vllm_deltasync.codec_v2 import SparseV2Codec
 from vllm_deltasync.errors import FormatError
+
+from .conftest import SPECIAL_BITS, bits_to_bf16
 
 SPARSE = {
     "sparse-v1": get_codec("sparse-v1"),

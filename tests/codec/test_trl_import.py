@@ -6,7 +6,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from .conftest import trl_delta_meta, trl_file
 
 from vllm_deltasync._bridge import run_sync
 from vllm_deltasync.cli import main
@@ -14,6 +13,8 @@ from vllm_deltasync.errors import ChainError, FormatError
 from vllm_deltasync.publisher import DeltaPublisher
 from vllm_deltasync.reader import BucketReader
 from vllm_deltasync.trl_import import TrlImporter, parse_trl_path, plan_replay
+
+from .conftest import trl_delta_meta, trl_file
 
 SHAPES = {"model.embed_tokens.weight": (50, 16), "model.layers.0.mlp.down_proj.weight": (16, 40), "model.norm.weight": (16,)}
 

@@ -10,10 +10,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from .conftest import REPO, Trainer, publish_run
 
 import vllm_deltasync
 from vllm_deltasync import cli
+
+from .conftest import REPO, Trainer, publish_run
 
 
 def test_inspect_reports_steps_kinds_bytes_sparsity_and_chains(

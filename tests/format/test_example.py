@@ -8,9 +8,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from .conftest import REPO, run_cli
-
 from vllm_deltasync.cli import main
+
+from .conftest import REPO, run_cli
 
 
 def test_example_publishes_a_readable_bucket(tmp_path: Path) -> None:

@@ -9,12 +9,13 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from .conftest import Trainer, bits_equal, publish_run, read_full, run_cli
 from safetensors.torch import load_file
 
 from vllm_deltasync import BucketReader
 from vllm_deltasync.cli import main
 from vllm_deltasync.errors import ChainError, FormatError, IntegrityError
+
+from .conftest import Trainer, bits_equal, publish_run, read_full, run_cli
 
 
 @pytest.fixture(scope="module")

@@ -9,6 +9,10 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from vllm_deltasync import BucketReader, DeltaPublisher
+from vllm_deltasync.errors import ConfigError, PublishError, TransientStoreError
+
 from .conftest import (
     GatedStore,
     Trainer,
@@ -18,9 +22,6 @@ from .conftest import (
     publish_run,
     read_full,
 )
-
-from vllm_deltasync import BucketReader, DeltaPublisher
-from vllm_deltasync.errors import ConfigError, PublishError, TransientStoreError
 
 
 def manifests(url: str) -> dict[int, object]:

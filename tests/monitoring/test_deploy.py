@@ -11,10 +11,11 @@ from typing import Any
 
 import pytest
 import yaml
-from .conftest import DEPLOY, need_binary
 from prometheus_client import CollectorRegistry
 
 from vllm_deltasync import metrics
+
+from .conftest import DEPLOY, need_binary
 
 PROM = DEPLOY / "prometheus"
 DASHBOARD = DEPLOY / "grafana" / "dashboards" / "vllm-deltasync.json"

@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 import torch
+
 from .conftest import DEPLOY, free_port, http_get, parse_exposition, scrape_config
 
 pytestmark = [pytest.mark.engine, pytest.mark.prometheus]

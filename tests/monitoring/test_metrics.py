@@ -5,12 +5,13 @@ from __future__ import annotations
 import json
 
 import pytest
-from .conftest import http_get, parse_exposition, sample
 from prometheus_client import CollectorRegistry
 
 from vllm_deltasync import metrics
 from vllm_deltasync.errors import ChainError, ConfigError
 from vllm_deltasync.stores.base import StoreStats
+
+from .conftest import http_get, parse_exposition, sample
 
 
 def status(rank: int, applied: int | None, newest: int | None, stats: metrics.WorkerStats,

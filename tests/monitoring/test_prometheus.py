@@ -23,13 +23,14 @@ from typing import Any
 import pytest
 import torch
 import yaml
-from .conftest import DEPLOY, http_get, scrape_config
 
 from vllm_deltasync import cli, metrics
 from vllm_deltasync.errors import DeltaSyncError, FormatError, IntegrityError, StoreError
 from vllm_deltasync.manifest import Manifest
 from vllm_deltasync.publisher import DeltaPublisher
 from vllm_deltasync.reader import BucketReader
+
+from .conftest import DEPLOY, http_get, scrape_config
 
 pytestmark = pytest.mark.prometheus
 DASHBOARD = DEPLOY / "grafana" / "dashboards" / "vllm-deltasync.json"

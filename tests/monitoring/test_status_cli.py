@@ -8,11 +8,12 @@ import json
 from collections.abc import Iterator
 
 import pytest
-from .conftest import free_port
 
 from vllm_deltasync import cli, metrics
 from vllm_deltasync.errors import ConfigError
 from vllm_deltasync.status_cli import metrics_url
+
+from .conftest import free_port
 
 
 @pytest.fixture

@@ -6,12 +6,13 @@ from collections.abc import Iterable
 
 import pytest
 import torch
-from .conftest import TPWorld
 
 from vllm_deltasync.apply import apply_patches, checkpoint_digest, prepare, tensor_digest
 from vllm_deltasync.codec import TensorPatch
 from vllm_deltasync.errors import ApplyError
 from vllm_deltasync.shardmap import ShardMap
+
+from .conftest import TPWorld
 
 INV_FREQ = "model.layers.0.self_attn.rotary_emb.inv_freq"
 

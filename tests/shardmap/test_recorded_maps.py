@@ -11,9 +11,10 @@ import json
 import os
 
 import pytest
-from .conftest import RECORDED, TPWorld
 
 from vllm_deltasync.shardmap import ShardMap
+
+from .conftest import RECORDED, TPWorld
 
 
 @pytest.mark.parametrize("rank", [0, 1])

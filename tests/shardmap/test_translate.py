@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from .conftest import TPWorld, random_checkpoint, sha256_bytes, state_bits
 
 from vllm_deltasync.apply import apply_patches, checkpoint_digest, prepare, tensor_digest
 from vllm_deltasync.codec import TensorPatch
 from vllm_deltasync.shardmap import ShardMap, translate_all
+
+from .conftest import TPWorld, random_checkpoint, sha256_bytes, state_bits
 
 MODES = ("sparse", "relative", "dense", "runs", "relative_dense", "unchanged")
 
