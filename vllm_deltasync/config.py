@@ -83,6 +83,12 @@ class SyncConfig:
     debug_ring_size: int = 4096
     """Model steps remembered per rank with the weight version they ran on (``deltasync_trace``)."""
 
+    store_options: dict[str, Any] = field(default_factory=dict, repr=False)
+    """Options for the bucket backend, as a JSON object (``VLLM_DELTASYNC_STORE_OPTIONS=
+    '{"addressing_style": "path"}'``): e.g. ``endpoint_url``/``region_name``/``addressing_style``
+    for ``s3://``, ``endpoint`` for ``hf://`` (docs/transports.md). Prefer the SDKs' own
+    credential chains to keys here; this field is never shown in ``repr`` or logs."""
+
     def __post_init__(self) -> None:
         if not isinstance(self.url, str) or "://" not in self.url:
             raise ConfigError(
@@ -99,6 +105,8 @@ class SyncConfig:
             raise ConfigError(f"deltasync loaded_step={self.loaded_step} must be >= 0")
         if self.in_flight not in ("continue", "drain"):
             raise ConfigError(f"deltasync in_flight={self.in_flight!r}: use 'continue' or 'drain'")
+        if not isinstance(self.store_options, Mapping):
+            raise ConfigError("deltasync store_options must be a JSON object of backend options")
         if not 0 <= self.metrics_port < 65536:
             raise ConfigError(
                 f"deltasync metrics_port={self.metrics_port}: use 1-65535, or 0 for off"
@@ -106,7 +114,7 @@ class SyncConfig:
 
     def __repr__(self) -> str:
         shown = ", ".join(
-            f"{f.name}={getattr(self, f.name)!r}" for f in fields(self) if f.name != "url"
+            f"{f.name}={getattr(self, f.name)!r}" for f in fields(self) if f.repr
         )
         return f"SyncConfig(url={self.redacted_url()!r}, {shown})"
 
@@ -215,9 +223,12 @@ def _coerce(f: dataclasses.Field[Any], value: Any, where: str) -> Any:
             return int(value)
         if kind.startswith("float"):
             return float(value)
+        if kind.startswith("dict"):
+            return dict(_json_object(value, where) if isinstance(value, str) else value)
         return str(value)
     except (TypeError, ValueError) as exc:
-        raise ConfigError(f"{where}={value!r} is not a valid {kind}: {exc}") from exc
+        shown = "<hidden>" if kind.startswith("dict") else repr(value)  # may hold credentials
+        raise ConfigError(f"{where}={shown} is not a valid {kind}: {exc}") from exc
 
 
 __all__ = ["ENV_PREFIX", "ConfigError", "SyncConfig", "is_configured", "redact_url"]

@@ -76,7 +76,10 @@ class Poller:
         self._prepare = prepare
         self._select = select
         self._reader = reader or BucketReader.open(
-            config.url, max_concurrency=config.download_concurrency, fingerprint=fingerprint
+            config.url,
+            store_options=config.store_options,
+            max_concurrency=config.download_concurrency,
+            fingerprint=fingerprint,
         )
         self._watcher = StepWatcher(
             self._reader.store,

@@ -55,3 +55,17 @@ def test_is_configured() -> None:
     assert is_configured({"deltasync": {"url": "file:///a"}}, {})
     assert is_configured(None, {"VLLM_DELTASYNC_URL": "file:///a"})
     assert not is_configured({}, {"VLLM_DELTASYNC_URL": ""})
+
+
+def test_store_options_reach_the_backend_and_never_show() -> None:
+    cfg = SyncConfig.from_sources(
+        {"deltasync": {"url": "s3://b/p", "store_options": {"aws_secret_access_key": "s3cr3t"}}},
+        {"VLLM_DELTASYNC_STORE_OPTIONS": '{"addressing_style": "path", "region_name": "us-east-1"}'},
+    )
+    assert cfg.store_options == {"addressing_style": "path", "region_name": "us-east-1"}
+    assert "path" not in repr(cfg) and "s3cr3t" not in repr(cfg)
+    with pytest.raises(ConfigError) as info:
+        SyncConfig.from_sources({}, {"VLLM_DELTASYNC_URL": "s3://b", "VLLM_DELTASYNC_STORE_OPTIONS": '{"k": s3cr3t'})
+    assert "VLLM_DELTASYNC_STORE_OPTIONS" in str(info.value) and "s3cr3t" not in str(info.value)
+    with pytest.raises(ConfigError, match="JSON object"):
+        SyncConfig.from_sources({}, {"VLLM_DELTASYNC_URL": "s3://b", "VLLM_DELTASYNC_STORE_OPTIONS": "[1]"})
