@@ -18,7 +18,7 @@ demo: setup
 	$(PY) examples/demo.py
 
 bench: setup
-	$(PY) benchmarks/run.py
+	$(PY) -m benchmarks.run
 
 clean:
 	rm -rf .venv .pytest_cache .mypy_cache .ruff_cache demo-out
