@@ -13,6 +13,7 @@ element, and the publisher's cost per step beside the optimizer step's:
 from __future__ import annotations
 
 import argparse
+import inspect
 import statistics
 import tempfile
 import time
@@ -107,6 +108,9 @@ def _table(results: list[Result]) -> str:
     return "\n".join(lines)
 
 
+DEFAULT_CODEC = inspect.signature(DeltaPublisher).parameters["codec"].default
+
+
 def run(quick: bool = False) -> str:
     """Run the benchmark; returns a Markdown table (medians per step; sparsity, bytes: means)."""
     cases = [Case("example (llama h256 L4)", 256, 4, 2000, 6 if quick else 21)]
@@ -115,7 +119,8 @@ def run(quick: bool = False) -> str:
     with tempfile.TemporaryDirectory(prefix="bench-publisher-") as tmp:
         results = [_measure(case, Path(tmp)) for case in cases]
     note = ("AdamW (torch, bf16 weights, lr 3e-6), batch 4 x 64 tokens, anchor every 10 steps, "
-            f"sparse-v1, file:// bucket; {torch.get_num_threads()} torch threads.")
+            f"{DEFAULT_CODEC} (the publisher's default), file:// bucket; "
+            f"{torch.get_num_threads()} torch threads.")
     return f"### Publisher\n\n{note}\n\n{_table(results)}\n"
 
 
