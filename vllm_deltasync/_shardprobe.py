@@ -46,6 +46,14 @@ class Block:
     def dst_extent(self) -> int:
         return sum((n - 1) * d for n, d in zip(self.sizes, self.dst_strides, strict=True))
 
+    def src_indices(self) -> torch.Tensor:
+        """Checkpoint flat index of every element of the block (int64, in multi-index order)."""
+        return _strided_indices(self.src_offset, self.sizes, self.src_strides)
+
+    def dst_indices(self) -> torch.Tensor:
+        """Parameter flat index of every element of the block (int64, in multi-index order)."""
+        return _strided_indices(self.dst_offset, self.sizes, self.dst_strides)
+
     @property
     def numel(self) -> int:
         out = 1
@@ -277,3 +285,12 @@ def probe_model(
         else:
             unplaced[name] = "load_weights wrote nothing for it"
     return placed, unplaced
+
+
+def _strided_indices(offset: int, sizes: tuple[int, ...], strides: tuple[int, ...]) -> torch.Tensor:
+    out = torch.full(sizes, offset, dtype=torch.int64)
+    for k, (n, stride) in enumerate(zip(sizes, strides, strict=True)):
+        shape = [1] * len(sizes)
+        shape[k] = n
+        out += (torch.arange(n, dtype=torch.int64) * stride).view(shape)
+    return out.reshape(-1)

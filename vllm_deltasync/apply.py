@@ -103,7 +103,7 @@ def _rank_values(targets: list[Target], block_values: list[torch.Tensor]) -> tor
     )
     if disjoint:
         return torch.cat([v.reshape(-1) for v in block_values]) if block_values else torch.empty(0)
-    src = torch.cat([_src_indices(t) for t in targets])
+    src = torch.cat([t.block.src_indices() for t in targets])
     vals = torch.cat([v.reshape(-1) for v in block_values])
     order = torch.argsort(src, stable=True)
     src, vals = src[order], vals[order]
@@ -112,17 +112,9 @@ def _rank_values(targets: list[Target], block_values: list[torch.Tensor]) -> tor
     return vals[first]
 
 
-def _src_indices(target: Target) -> torch.Tensor:
-    b = target.block
-    out = torch.full(b.sizes, b.src_offset, dtype=torch.int64)
-    for k, (n, s) in enumerate(zip(b.sizes, b.src_strides, strict=True)):
-        shape = [1] * len(b.sizes)
-        shape[k] = n
-        out += (torch.arange(n, dtype=torch.int64) * s).view(shape)
-    return out.reshape(-1)
-
-
-def _digest(values: torch.Tensor) -> str:
+def sha256_hex(values: torch.Tensor) -> str:
+    """``sha256:<hex>`` of a tensor's raw bytes in flat order (what a TP=1 rank reports for a
+    whole tensor)."""
     data = values.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes()
     return "sha256:" + hashlib.sha256(data).hexdigest()
 
@@ -135,7 +127,7 @@ def tensor_digest(shardmap: ShardMap, name: str) -> str:
         b = t.block
         flat = t.param.data.view(-1)
         values.append(flat.as_strided(b.sizes, b.dst_strides, flat.storage_offset() + b.dst_offset))
-    return _digest(_rank_values(targets, values))
+    return sha256_hex(_rank_values(targets, values))
 
 
 def checkpoint_digest(shardmap: ShardMap, name: str, full: torch.Tensor) -> str:
@@ -147,7 +139,7 @@ def checkpoint_digest(shardmap: ShardMap, name: str, full: torch.Tensor) -> str:
         flat.as_strided(t.block.sizes, t.block.src_strides, flat.storage_offset() + t.block.src_offset)
         for t in targets
     ]
-    return _digest(_rank_values(targets, values).to(dtype))
+    return sha256_hex(_rank_values(targets, values).to(dtype))
 
 
-__all__ = ["apply_patches", "checkpoint_digest", "prepare", "tensor_digest"]
+__all__ = ["apply_patches", "checkpoint_digest", "prepare", "sha256_hex", "tensor_digest"]

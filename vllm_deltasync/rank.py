@@ -8,7 +8,6 @@ worker's ``_deltasync`` attribute. It reads a few attributes of the vLLM worker 
 from __future__ import annotations
 
 import collections
-import hashlib
 import os
 import time
 from collections.abc import Callable, Iterable
@@ -17,6 +16,7 @@ from typing import Any
 
 import torch
 
+from .apply import sha256_hex
 from .config import SyncConfig
 from .errors import ApplyError, ChainError
 
@@ -205,12 +205,6 @@ def digest_names(state: RankState, names: Iterable[str] | None) -> list[str]:
     sm = state.shardmap
     chosen = list(names) if names is not None else sm.names
     return [n for n in chosen if n not in sm.ignored and n not in sm.covered_by]
-
-
-def sha256_hex(t: torch.Tensor) -> str:
-    """``sha256:<hex>`` of a tensor's raw bytes (what a TP=1 rank reports for a whole tensor)."""
-    data = t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes()
-    return "sha256:" + hashlib.sha256(data).hexdigest()
 
 
 __all__ = ["RankState", "checkpoint_params", "digest_names", "safetensors_files", "sha256_hex"]

@@ -313,16 +313,7 @@ def _overlaps(targets: Mapping[str, list[Target]]) -> list[str]:
 
 
 def _share_elements(a: Block, b: Block) -> bool:
-    return bool(torch.isin(_dst_indices(a), _dst_indices(b)).any())
-
-
-def _dst_indices(b: Block) -> torch.Tensor:
-    out = torch.full(b.sizes, b.dst_offset, dtype=torch.int64)
-    for k, (n, d) in enumerate(zip(b.sizes, b.dst_strides, strict=True)):
-        shape = [1] * len(b.sizes)
-        shape[k] = n
-        out += (torch.arange(n, dtype=torch.int64) * d).view(shape)
-    return out.reshape(-1)
+    return bool(torch.isin(a.dst_indices(), b.dst_indices()).any())
 
 
 def _check_patch(patch: TensorPatch, shape: tuple[int, ...], dtype: str) -> int:
