@@ -1,17 +1,29 @@
-"""Shared helpers of the engine tests: a real trainer, real vLLM engines, a real file:// bucket.
+"""Shared helpers of the engine tests: a real trainer, real vLLM engines, real buckets.
 
 Engine tests start vLLM (the CPU build here) in this process with the extension configured the
 way a user would: ``worker_extension_cls`` plus ``VLLM_DELTASYNC_*`` environment variables.
-Nothing calls ``deltasync_start``: the plugin starts everything by itself.
+Nothing calls ``deltasync_start``: the plugin starts everything by itself. The bucket is a
+``file://`` directory, or served over HTTP on loopback by the local Hub bucket server (hf://)
+or moto (s3://) of tests/conftest.py, which the engine's processes find only through the
+standard environment (``HF_ENDPOINT``/``HF_TOKEN``, ``AWS_*``).
+
+``fresh_outputs`` gives what a fresh stock engine generates from a checkpoint: it starts a new
+engine per checkpoint in a separate process (tests/engine/fresh_engine.py) and remembers the
+answer for the session by the checkpoint's bytes.
 """
 
 from __future__ import annotations
 
 import contextlib
 import gc
+import hashlib
+import json
 import os
+import subprocess
+import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +33,8 @@ import torch
 from vllm_deltasync.toymodel import load_hf_model
 
 EXTENSION = "vllm_deltasync.DeltaSyncExtension"
+REPO = Path(__file__).resolve().parents[2]
+REGION = "us-east-1"
 
 
 def has_vllm() -> bool:
@@ -65,9 +79,51 @@ class Trainer:
         return out_dir
 
 
+@dataclass
+class Bucket:
+    """Where the trainer publishes and what the engine's processes are told about it."""
+
+    url: str
+    publisher_options: dict[str, Any] = field(default_factory=dict)
+    worker_env: dict[str, str] = field(default_factory=dict)
+    server: Any = None
+    """The local Hub server (hf only), to check what the workers fetched."""
+
+
+def open_bucket(transport: str, request: pytest.FixtureRequest, tmp_path: Path) -> Bucket:
+    """An empty bucket on ``transport`` ("file", "hf" or "s3") and the environment that finds it."""
+    if transport == "file":
+        return Bucket(f"file://{tmp_path}/bucket")
+    if transport == "hf":
+        hub = request.getfixturevalue("hub")
+        store = request.getfixturevalue("make_hf_store")()
+        options = {"endpoint": hub.endpoint, "token": hub.token, "environ": {},
+                   "uploader": store._uploader, "part_size": 1 << 16}
+        return Bucket(store.url, options, {"HF_ENDPOINT": hub.endpoint, "HF_TOKEN": hub.token}, hub)
+    if transport == "s3":
+        from ..conftest import S3_CREDENTIALS
+
+        store = request.getfixturevalue("make_s3_store")()
+        options = {"endpoint_url": store.endpoint_url, "region_name": REGION,
+                   "addressing_style": "path", **S3_CREDENTIALS}
+        env = {
+            "AWS_ENDPOINT_URL": str(store.endpoint_url),
+            "AWS_ACCESS_KEY_ID": S3_CREDENTIALS["aws_access_key_id"],
+            "AWS_SECRET_ACCESS_KEY": S3_CREDENTIALS["aws_secret_access_key"],
+            "AWS_REGION": REGION,
+            "AWS_DEFAULT_REGION": REGION,
+            "AWS_EC2_METADATA_DISABLED": "true",
+        }
+        return Bucket(store.url, options, env)
+    raise ValueError(f"unknown transport {transport!r}")
+
+
 @contextlib.contextmanager
-def engine_env(tmp: Path, tp: int, **deltasync: Any) -> Iterator[None]:
-    """Environment for one vLLM engine: private cache/IPC dirs, small KV cache, deltasync vars."""
+def engine_env(
+    tmp: Path, tp: int, extra: dict[str, str] | None = None, **deltasync: Any
+) -> Iterator[None]:
+    """Environment for one vLLM engine: private cache/IPC dirs, small KV cache, deltasync vars
+    (``extra``: more variables, e.g. where a network bucket's server is)."""
     import tempfile
 
     rpc = tempfile.mkdtemp(prefix="vrpc")  # unix socket paths must stay under 107 bytes
@@ -78,6 +134,7 @@ def engine_env(tmp: Path, tp: int, **deltasync: Any) -> Iterator[None]:
         "VLLM_CPU_OMP_THREADS_BIND": "0|1" if tp == 2 else "0",
         "TOKENIZERS_PARALLELISM": "false",
     }
+    env.update(extra or {})
     env.update({f"VLLM_DELTASYNC_{k.upper()}": str(v) for k, v in deltasync.items()})
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
@@ -148,3 +205,123 @@ def generate(llm: Any, prompts: list[str]) -> list[dict[str, Any]]:
         out.append({"tokens": list(g.outputs[0].token_ids), "prompt_logprobs": lps,
                     "weight_versions": g.outputs[0].weight_versions})
     return out
+
+
+# -- the OpenAI-compatible API server, as a user starts it --------------------------------------
+
+
+@dataclass
+class ApiServer:
+    """A running ``vllm.entrypoints.launchers.api_server.entry`` process with the extension."""
+
+    url: str
+    proc: subprocess.Popen[bytes]
+    log: Path
+
+    def log_tail(self) -> str:
+        return self.log.read_text(errors="replace")[-4000:]
+
+
+@contextlib.contextmanager
+def api_server(
+    tmp: Path, model_dir: Path, env: dict[str, str], *, max_model_len: int = 512
+) -> Iterator[ApiServer]:
+    """Start vLLM's API server on a free loopback port with ``--worker-extension-cls`` and
+    ``env`` (the ``VLLM_DELTASYNC_*`` settings) on top of this process's environment; yield
+    once ``/health`` answers; terminate it on exit."""
+    import socket
+    import tempfile
+    import urllib.request
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = int(s.getsockname()[1])
+    rpc = tempfile.mkdtemp(prefix="vrpc")  # unix socket paths must stay under 107 bytes
+    full_env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1",
+                "VLLM_CACHE_ROOT": str(tmp / "vllm-cache"), "VLLM_RPC_BASE_PATH": rpc, **env}
+    log_path = tmp / "server.log"
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "vllm.entrypoints.launchers.api_server.entry",
+             "--model", str(model_dir), "--port", str(port), "--host", "127.0.0.1",
+             "--worker-extension-cls", EXTENSION, "--enforce-eager",
+             "--max-model-len", str(max_model_len), "--max-num-seqs", "4", "--dtype", "bfloat16"],
+            env=full_env, stdout=log, stderr=subprocess.STDOUT)
+    server = ApiServer(f"http://127.0.0.1:{port}", proc, log_path)
+    try:
+        deadline = time.monotonic() + 240
+        while True:  # the engine core (and /synced) can be up before the API server listens
+            if proc.poll() is not None:
+                pytest.fail("API server exited:\n" + server.log_tail())
+            if time.monotonic() > deadline:
+                pytest.fail("API server not healthy after 240 s:\n" + server.log_tail())
+            try:
+                with urllib.request.urlopen(server.url + "/health", timeout=2) as resp:
+                    if resp.status == 200:
+                        break
+            except OSError:
+                pass
+            time.sleep(0.5)
+        yield server
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        import shutil
+
+        shutil.rmtree(rpc, ignore_errors=True)
+
+
+# -- fresh stock engines as the reference -------------------------------------------------------
+
+
+def _checkpoint_key(tp: int, prompts: list[str], ckpt: Path) -> str:
+    digest = hashlib.sha256(f"{tp}\0{json.dumps(prompts)}".encode())
+    for f in sorted(ckpt.iterdir()):
+        digest.update(f.name.encode() + b"\0" + f.read_bytes())
+    return digest.hexdigest()
+
+
+FreshOutputs = Callable[[int, list[str], list[Path]], list[list[dict[str, Any]]]]
+
+
+@pytest.fixture(scope="session")
+def fresh_outputs(tmp_path_factory: pytest.TempPathFactory) -> FreshOutputs:
+    """``fresh_outputs(tp, prompts, checkpoints)``: per checkpoint, the greedy tokens and prompt
+    logprobs of a fresh stock engine (same TP, no extension) started from that checkpoint.
+
+    The engines run in a child process (tests/engine/fresh_engine.py), one new engine per
+    checkpoint. Answers are remembered for the session by (TP, prompts, the checkpoint's bytes),
+    so the same trainer run followed over another transport starts no engine twice.
+    """
+    cache: dict[str, list[dict[str, Any]]] = {}
+    work = tmp_path_factory.mktemp("fresh-engines")
+
+    def get(tp: int, prompts: list[str], checkpoints: list[Path]) -> list[list[dict[str, Any]]]:
+        keys = [_checkpoint_key(tp, prompts, c) for c in checkpoints]
+        missing = [str(c) for c, k in zip(checkpoints, keys, strict=True) if k not in cache]
+        if missing:
+            n = len(list(work.iterdir()))
+            spec, out, log = (work / f"{n}-{name}" for name in ("spec.json", "out.json", "log"))
+            spec.write_text(json.dumps({"tp": tp, "prompts": prompts, "checkpoints": missing}))
+            env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_DELTASYNC_")}
+            env["VLLM_CACHE_ROOT"] = str(work / "vllm-cache")
+            with log.open("w") as sink:
+                proc = subprocess.run(
+                    [sys.executable, "-m", "tests.engine.fresh_engine", str(spec), str(out)],
+                    cwd=REPO, env=env, stdout=sink, stderr=subprocess.STDOUT,
+                    timeout=120 + 90 * len(missing), check=False,
+                )
+            if proc.returncode:
+                tail = log.read_text()[-3000:]
+                raise AssertionError(f"fresh reference engines failed ({proc.returncode}):\n{tail}")
+            answers = json.loads(out.read_text())
+            for c, k in zip(checkpoints, keys, strict=True):
+                if str(c) in answers:
+                    cache[k] = answers[str(c)]
+        return [cache[k] for k in keys]
+
+    return get

@@ -8,11 +8,7 @@ step every rank runs, and completions keep being served.
 from __future__ import annotations
 
 import json
-import os
 import socket
-import subprocess
-import sys
-import tempfile
 import time
 import urllib.request
 from pathlib import Path
@@ -23,13 +19,7 @@ import pytest
 from vllm_deltasync import DeltaPublisher
 from vllm_deltasync.toymodel import build_model
 
-from .conftest import Trainer, requires_vllm
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from .conftest import ApiServer, Trainer, api_server, requires_vllm
 
 
 def _get_json(url: str) -> tuple[int, Any]:
@@ -49,11 +39,17 @@ def _complete(api: str, model: str) -> dict[str, Any]:
         return json.loads(resp.read())
 
 
-def _wait_synced(metrics: str, step: int, proc: subprocess.Popen, log: Path) -> dict[str, Any]:
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _wait_synced(metrics: str, step: int, server: ApiServer) -> dict[str, Any]:
     deadline = time.monotonic() + 240
     while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            pytest.fail("server exited:\n" + log.read_text()[-4000:])
+        if server.proc.poll() is not None:
+            pytest.fail("server exited:\n" + server.log_tail())
         try:
             code, body = _get_json(metrics + "/synced")
             if code == 200 and all(r["applied_step"] == step for r in body["ranks"]):
@@ -61,23 +57,7 @@ def _wait_synced(metrics: str, step: int, proc: subprocess.Popen, log: Path) -> 
         except OSError:
             pass
         time.sleep(0.5)
-    pytest.fail(f"step {step} never synced:\n" + log.read_text()[-4000:])
-
-
-def _wait_health(api: str, proc: subprocess.Popen, log: Path) -> None:
-    """The engine core (and its /synced) can be up before the API server listens."""
-    deadline = time.monotonic() + 240
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            pytest.fail("server exited:\n" + log.read_text()[-4000:])
-        try:
-            with urllib.request.urlopen(api + "/health", timeout=2) as resp:
-                if resp.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.5)
-    pytest.fail("API server never became healthy:\n" + log.read_text()[-4000:])
+    pytest.fail(f"step {step} never synced:\n" + server.log_tail())
 
 
 @requires_vllm
@@ -86,43 +66,26 @@ def test_openai_server_follows_bucket_with_env_only(tmp_path: Path) -> None:
     model_dir = build_model(tmp_path / "model", "qwen2", seed=7)
     trainer = Trainer(model_dir, lr=1e-5, seed=7)
     url = f"file://{tmp_path}/bucket"
-    api_port, metrics_port = _free_port(), _free_port()
-    env = {**os.environ, "VLLM_DELTASYNC_URL": url, "VLLM_DELTASYNC_POLL_INTERVAL_S": "0.2",
+    metrics_port = _free_port()
+    env = {"VLLM_DELTASYNC_URL": url, "VLLM_DELTASYNC_POLL_INTERVAL_S": "0.2",
            "VLLM_DELTASYNC_METRICS_PORT": str(metrics_port),
-           "VLLM_DELTASYNC_METRICS_HOST": "127.0.0.1", "VLLM_CPU_KVCACHE_SPACE": "1",
-           "VLLM_CACHE_ROOT": str(tmp_path / "cache"),
-           "VLLM_RPC_BASE_PATH": tempfile.mkdtemp(prefix="vrpc")}
-    log_path = tmp_path / "server.log"
-    api, metrics = f"http://127.0.0.1:{api_port}", f"http://127.0.0.1:{metrics_port}"
-    with DeltaPublisher(url, anchor_every=3) as pub, open(log_path, "wb") as log:
+           "VLLM_DELTASYNC_METRICS_HOST": "127.0.0.1"}
+    metrics = f"http://127.0.0.1:{metrics_port}"
+    with DeltaPublisher(url, anchor_every=3) as pub:
         pub.publish(0, trainer.named_tensors())
         pub.flush()
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "vllm.entrypoints.launchers.api_server.entry",
-             "--model", str(model_dir), "--port", str(api_port), "--host", "127.0.0.1",
-             "--worker-extension-cls", "vllm_deltasync.DeltaSyncExtension", "--enforce-eager",
-             "--max-model-len", "512", "--max-num-seqs", "4", "--dtype", "bfloat16"],
-            env=env, stdout=log, stderr=subprocess.STDOUT)
-        try:
-            _wait_health(api, proc, log_path)
-            _wait_synced(metrics, 0, proc, log_path)
-            first = _complete(api, str(model_dir))
+        with api_server(tmp_path, model_dir, env) as server:
+            _wait_synced(metrics, 0, server)
+            first = _complete(server.url, str(model_dir))
             for step in range(1, 5):
                 trainer.step()
                 pub.publish(step, trainer.named_tensors())
                 pub.flush()
-                body = _wait_synced(metrics, step, proc, log_path)
+                body = _wait_synced(metrics, step, server)
                 assert body["ranks"][0]["last_error"] is None
-                assert _complete(api, str(model_dir))["choices"][0]["text"] is not None
+                assert _complete(server.url, str(model_dir))["choices"][0]["text"] is not None
             with urllib.request.urlopen(metrics + "/metrics", timeout=5) as resp:
                 text = resp.read().decode()
-        finally:
-            proc.terminate()
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
     assert first["choices"]
     applied = [ln for ln in text.splitlines() if ln.startswith("deltasync_applied_step{")]
     assert applied and all(ln.endswith(" 4.0") for ln in applied), applied

@@ -8,9 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,6 +16,7 @@ from typing import Any
 import pytest
 import torch
 
+from ..engine.conftest import api_server
 from .conftest import DEPLOY, free_port, http_get, parse_exposition, scrape_config
 
 pytestmark = [pytest.mark.engine, pytest.mark.prometheus]
@@ -87,42 +85,16 @@ def server(tmp_path: Path, model_dir: Path) -> Iterator[dict[str, Any]]:
     url = f"file://{bucket}"
     trainer = Trainer(model_dir, url)
     trainer.publish()  # step 0: the anchor equal to the checkpoint the engine loads
-    api_port, metrics_port = free_port(), free_port()
+    metrics_port = free_port()
     (tmp_path / "mp").mkdir()
-    env = {**os.environ, "VLLM_DELTASYNC_URL": url, "VLLM_DELTASYNC_POLL_INTERVAL_S": "0.5",
+    env = {"VLLM_DELTASYNC_URL": url, "VLLM_DELTASYNC_POLL_INTERVAL_S": "0.5",
            "VLLM_DELTASYNC_METRICS_PORT": str(metrics_port),
-           "PROMETHEUS_MULTIPROC_DIR": str(tmp_path / "mp"), "VLLM_CPU_KVCACHE_SPACE": "1",
-           "VLLM_CACHE_ROOT": str(tmp_path / "cache"), "VLLM_RPC_BASE_PATH": str(tmp_path)}
-    log = open(tmp_path / "server.log", "wb")  # noqa: SIM115 - closed below
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "vllm.entrypoints.launchers.api_server.entry",
-         "--model", str(model_dir), "--port", str(api_port), "--host", "127.0.0.1",
-         "--worker-extension-cls", "vllm_deltasync.DeltaSyncExtension", "--enforce-eager",
-         "--max-model-len", "256", "--max-num-seqs", "4", "--dtype", "bfloat16"],
-        env=env, stdout=log, stderr=subprocess.STDOUT)
+           "PROMETHEUS_MULTIPROC_DIR": str(tmp_path / "mp")}
     try:
-        deadline = time.monotonic() + 240
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                pytest.fail(f"server exited: {(tmp_path / 'server.log').read_text()[-4000:]}")
-            try:
-                if http_get(f"http://127.0.0.1:{api_port}/health", timeout=1)[0] == 200:
-                    break
-            except OSError:
-                pass
-            time.sleep(1)
-        else:
-            pytest.fail(f"server not up in 240 s: {(tmp_path / 'server.log').read_text()[-4000:]}")
-        yield {"trainer": trainer, "api": f"http://127.0.0.1:{api_port}", "model": str(model_dir),
-               "metrics": f"127.0.0.1:{metrics_port}", "log": tmp_path / "server.log"}
+        with api_server(tmp_path, model_dir, env, max_model_len=256) as api:
+            yield {"trainer": trainer, "api": api.url, "model": str(model_dir),
+                   "metrics": f"127.0.0.1:{metrics_port}", "log": api.log}
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        log.close()
         trainer.publisher.close()
 
 

@@ -1,0 +1,169 @@
+"""Fixtures shared by every test folder: a per-test event loop, the local Hub bucket server and
+moto's S3 server.
+
+The two servers are started once per session on loopback; each test gets a fresh bucket
+(``make_hf_store`` / ``make_s3_store``) and the Hub server's fault switches, quotas and logs
+reset (``hub``). The store tests use them for the conformance suite and transport tests, the
+engine tests to serve a bucket a real vLLM engine follows.
+
+The Xet upload protocol cannot run offline: ``make_hf_store`` injects an uploader (the single
+seam of ``HfStore``, its ``uploader=`` option) that PUTs the bytes to the local server's test
+upload route instead of calling ``huggingface_hub.batch_bucket_files``. Everything else,
+including deletes through ``huggingface_hub``'s batch API, speaks the real protocol.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from collections.abc import Awaitable, Callable, Iterator
+from typing import Any, TypeVar
+
+import aiohttp
+import pytest
+
+from vllm_deltasync.stores import open_store
+from vllm_deltasync.stores.hf import HfStore
+from vllm_deltasync.stores.s3 import S3Store
+
+from .stores import hubserver
+
+T = TypeVar("T")
+HubServer = hubserver.HubServer
+Quota = hubserver.Quota
+
+
+@pytest.fixture
+def run() -> Iterator[Callable[[Awaitable[T]], T]]:
+    """Run a coroutine on this test's own event loop (stores keep sessions bound to it)."""
+    loop = asyncio.new_event_loop()
+
+    def go(coro: Awaitable[T], timeout_s: float = 60.0) -> T:
+        return loop.run_until_complete(asyncio.wait_for(coro, timeout_s))
+
+    yield go
+    loop.run_until_complete(loop.shutdown_asyncgens())
+    loop.close()
+
+
+# -- local Hub bucket server ------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def hub_server() -> Iterator[Any]:
+    with HubServer(page_size=3) as server:
+        yield server
+
+
+@pytest.fixture
+def hub(hub_server: Any) -> Iterator[Any]:
+    """The session's Hub server with its switches, quotas and logs reset for this test."""
+    hub_server.faults = hubserver.Faults()
+    hub_server.quotas = {"api": Quota(1000, 300.0), "resolve": Quota(5000, 300.0)}
+    hub_server.log.clear()
+    hub_server.cdn_auth_seen = 0
+    hub_server.cdn_bytes_served = 0
+    yield hub_server
+
+
+def local_uploader(
+    hub: Any, bucket_id: str
+) -> Callable[[list[tuple[str, bytes]]], Awaitable[None]]:
+    """Stand-in for the Xet upload: PUT each object to the local server's test route."""
+
+    async def upload(items: list[tuple[str, bytes]]) -> None:
+        async with aiohttp.ClientSession() as session:
+            for path, data in items:
+                url = f"{hub.endpoint}/_test/upload/{bucket_id}/{path}"
+                async with session.put(
+                    url, data=data, headers={"Authorization": f"Bearer {hub.token}"}
+                ) as r:
+                    r.raise_for_status()
+
+    return upload
+
+
+@pytest.fixture
+def make_hf_store(hub: Any, run: Any) -> Iterator[Callable[..., HfStore]]:
+    """``make_hf_store(**options)``: an ``HfStore`` on a fresh bucket of the local server."""
+    made: list[HfStore] = []
+
+    def make(prefix: str = "run", bucket_id: str | None = None, **options: Any) -> HfStore:
+        bucket_id = bucket_id or f"tester/b-{uuid.uuid4().hex[:8]}"
+        hub.create_bucket(bucket_id)
+        settings: dict[str, Any] = {
+            "endpoint": hub.endpoint,
+            "token": hub.token,
+            "environ": {},
+            "uploader": local_uploader(hub, bucket_id),
+            "part_size": 1 << 16,
+            "max_parallel_parts": 4,
+        }
+        store = open_store(f"hf://buckets/{bucket_id}/{prefix}", **{**settings, **options})
+        assert isinstance(store, HfStore)
+        made.append(store)
+        return store
+
+    yield make
+    for store in made:
+        run(store.close())
+
+
+@pytest.fixture
+def hf_store(make_hf_store: Callable[..., HfStore]) -> HfStore:
+    return make_hf_store()
+
+
+# -- moto S3 server ---------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint() -> Iterator[str]:
+    from moto.server import ThreadedMotoServer
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    yield f"http://{host}:{port}"
+    server.stop()
+
+
+S3_CREDENTIALS = {"aws_access_key_id": "testing", "aws_secret_access_key": "testing-secret-key"}
+
+
+@pytest.fixture
+def make_s3_store(s3_endpoint: str, run: Any) -> Iterator[Callable[..., S3Store]]:
+    """``make_s3_store(**options)``: an ``S3Store`` on a fresh bucket of moto's server."""
+    made: list[S3Store] = []
+
+    def make(prefix: str = "run", **options: Any) -> S3Store:
+        bucket = f"b-{uuid.uuid4().hex[:12]}"
+        settings: dict[str, Any] = {
+            "endpoint_url": s3_endpoint,
+            "region_name": "us-east-1",
+            "addressing_style": "path",
+            "part_size": 5 << 20,
+            "multipart_threshold": 6 << 20,
+            **S3_CREDENTIALS,
+        }
+        store = open_store(f"s3://{bucket}/{prefix}", **{**settings, **options})
+        assert isinstance(store, S3Store)
+
+        async def create() -> None:
+            client = await store._s3()
+            await client.create_bucket(Bucket=bucket)
+
+        run(create())
+        made.append(store)
+        return store
+
+    yield make
+    for store in made:
+        run(store.close())
+
+
+@pytest.fixture
+def s3_store(make_s3_store: Callable[..., S3Store]) -> S3Store:
+    return make_s3_store()
