@@ -1,25 +1,31 @@
 """A real vLLM engine follows a bucket that a real trainer publishes to, by itself.
 
-For each model shape and tensor-parallel size: the engine starts from the step-0 checkpoint
-with only ``worker_extension_cls`` and ``VLLM_DELTASYNC_*`` set; the trainer publishes 11
-AdamW steps (anchors at 5 and 10). After every step each rank's live weights must equal the
-trainer's bit for bit (sha256 per checkpoint tensor, per rank for its shard), and greedy
-tokens and prompt logprobs must equal those of a reference engine holding the trainer's
-checkpoint of that step, for prompts the following engine had already served before the
-switch (so stale prefix-cache blocks would show):
+For each model shape, tensor-parallel size and transport: the engine starts from the step-0
+checkpoint with only ``worker_extension_cls`` and ``VLLM_DELTASYNC_*`` set (plus, for hf:// and
+s3://, the standard variables that find the loopback server); the trainer publishes 11 real
+AdamW bf16 steps (anchors at 5 and 10). After every step:
 
-* the last step against a fresh stock engine of the same TP (prepacked CPU kernels, no
-  extension) started from that step's checkpoint;
-* every earlier step against one more engine of the same TP that loads each step's checkpoint
-  through vLLM's own ``reload_weights`` and starts from an empty prefix cache (restarting an
-  engine per step would cost ~30 s each on this machine).
+* each rank's live weights equal the trainer's bit for bit (sha256 per checkpoint tensor, per
+  rank for its shard; at TP=1 also against the whole tensor's bytes, independent of the shard
+  map);
+* greedy tokens and prompt logprobs equal those of a fresh stock engine of the same TP started
+  from the trainer's checkpoint of that step (tests/engine/fresh_engine.py: a new engine per
+  step, no extension, so the CPU build prepacks its weights as for any user), for prompts the
+  following engine had already served at every earlier step, so stale prefix-cache blocks
+  would show.
+
+Models, all built here: Llama-shaped with GQA (4 heads, 2 KV heads), Qwen2-shaped with q/k/v
+biases, and Llama-shaped with tied embeddings and one KV head (replicated on both ranks at
+TP=2). The vocabulary (500) is padded by vLLM, so rank 1's lm_head shard has padding rows.
+
+Over file:// every model runs at TP=1 and TP=2. Over hf:// (the local Hub bucket server) and
+s3:// (moto) every model runs once, each transport at both TP sizes; the fresh engines'
+answers are shared with the file:// runs when the trainer's checkpoints are the same bytes.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +36,7 @@ from vllm_deltasync.extension import sha256_hex
 from vllm_deltasync.toymodel import build_model
 
 from .conftest import (
+    FreshOutputs,
     Trainer,
     close_llm,
     engine_env,
@@ -37,21 +44,31 @@ from .conftest import (
     generate,
     long_prompts,
     make_llm,
+    open_bucket,
     requires_vllm,
     wait_applied,
 )
 
 STEPS = 11  # published after the initial anchor; anchors at 5 and 10 (anchor_every=5)
 
+MODELS: dict[str, dict[str, Any]] = {
+    "llama-gqa": {"family": "llama", "num_kv_heads": 2},
+    "qwen2-bias": {"family": "qwen2", "num_kv_heads": 2},
+    "llama-tied": {"family": "llama", "num_kv_heads": 1, "tie_word_embeddings": True},
+}
+
 CASES = [
-    pytest.param("llama", False, 1, id="llama-gqa-tp1"),
-    pytest.param("llama", False, 2, id="llama-gqa-tp2"),
-    pytest.param("qwen2", True, 1, id="qwen2-bias-tied-tp1"),
-    pytest.param("qwen2", True, 2, id="qwen2-bias-tied-tp2"),
+    *(pytest.param("file", m, tp, id=f"file-{m}-tp{tp}") for m in MODELS for tp in (1, 2)),
+    pytest.param("hf", "llama-gqa", 2, id="hf-llama-gqa-tp2"),
+    pytest.param("hf", "qwen2-bias", 1, id="hf-qwen2-bias-tp1"),
+    pytest.param("hf", "llama-tied", 2, id="hf-llama-tied-tp2"),
+    pytest.param("s3", "llama-gqa", 1, id="s3-llama-gqa-tp1"),
+    pytest.param("s3", "qwen2-bias", 2, id="s3-qwen2-bias-tp2"),
+    pytest.param("s3", "llama-tied", 1, id="s3-llama-tied-tp1"),
 ]
 
 
-def _check_digests(llm, trainer: Trainer, ckpt: Path, tp: int, step: int) -> None:
+def _check_digests(llm: Any, trainer: Trainer, ckpt: Path, tp: int, step: int) -> None:
     live = llm.collective_rpc("deltasync_weight_digests")
     expected = llm.collective_rpc("deltasync_checkpoint_digests", args=(str(ckpt),))
     assert len(live) == tp
@@ -66,99 +83,54 @@ def _check_digests(llm, trainer: Trainer, ckpt: Path, tp: int, step: int) -> Non
 
 @requires_vllm
 @pytest.mark.engine
-@pytest.mark.parametrize(("family", "tied", "tp"), CASES)
-def test_engine_follows_bucket_bit_exact(tmp_path: Path, family: str, tied: bool, tp: int) -> None:
-    model_dir = build_model(tmp_path / "model", family, tie_word_embeddings=tied, seed=tp)
-    trainer = Trainer(model_dir, lr=1e-5, seed=tp)
-    url = f"file://{tmp_path}/bucket"
-    prompts = long_prompts(3, seed=tp)
+@pytest.mark.parametrize(("transport", "model", "tp"), CASES)
+def test_engine_follows_bucket(
+    request: pytest.FixtureRequest, tmp_path: Path, fresh_outputs: FreshOutputs,
+    transport: str, model: str, tp: int,
+) -> None:
+    seed = 10 * list(MODELS).index(model) + tp  # the same trainer run on every transport
+    model_dir = build_model(tmp_path / "model", seed=seed, **MODELS[model])
+    trainer = Trainer(model_dir, lr=1e-5, seed=seed)
+    bucket = open_bucket(transport, request, tmp_path)
+    prompts = long_prompts(3, seed=seed)
+    checkpoints: dict[int, Path] = {}
     per_step: dict[int, list[dict[str, Any]]] = {}
-    with DeltaPublisher(url, anchor_every=5) as pub, engine_env(
-        tmp_path, tp, url=url, poll_interval_s=0.2, metrics_port=0
-    ):
+    with DeltaPublisher(bucket.url, anchor_every=5, store_options=bucket.publisher_options) as pub, \
+            engine_env(tmp_path, tp, bucket.worker_env, url=bucket.url, poll_interval_s=0.2,
+                       metrics_port=0):
         pub.publish(0, trainer.named_tensors())
         pub.flush()
         llm = make_llm(model_dir, tp, extension=True)
         try:
-            wait_applied(llm, 0)
+            statuses = wait_applied(llm, 0, timeout_s=90)
+            assert all(s["pid"] != os.getpid() for s in statuses)  # read in the workers
             before = generate(llm, prompts)  # fills the prefix cache with step-0 blocks
             for step in range(1, STEPS + 1):
                 trainer.step()
                 pub.publish(step, trainer.named_tensors())
                 pub.flush()
-                statuses = wait_applied(llm, step)
+                statuses = wait_applied(llm, step, timeout_s=90)
                 assert all(s["last_error"] is None for s in statuses), statuses
-                _check_digests(llm, trainer, trainer.save(tmp_path / f"ckpt-{step}"), tp, step)
+                checkpoints[step] = trainer.save(tmp_path / f"ckpt-{step}")
+                _check_digests(llm, trainer, checkpoints[step], tp, step)
                 per_step[step] = generate(llm, prompts)  # also served before the next switch
-            after = per_step[STEPS]
             status = engine_status(llm)
         finally:
             close_llm(llm)
+
     assert status["weight_version"] == str(STEPS)
     switched = [s["step"] for s in status["switches"]]
     assert switched[-1] == STEPS and set(switched) <= set(range(STEPS + 1))
-    assert all(o["weight_versions"][-1].version == str(STEPS) for o in after)
-    assert [o["prompt_logprobs"] for o in after] != [o["prompt_logprobs"] for o in before]
+    assert all(o["weight_versions"][-1].version == str(STEPS) for o in per_step[STEPS])
+    assert [o["prompt_logprobs"] for o in per_step[STEPS]] != [o["prompt_logprobs"] for o in before]
+    if bucket.server is not None:  # the workers downloaded from the CDN origin, tokenless
+        assert bucket.server.cdn_bytes_served > 0
+        assert bucket.server.cdn_auth_seen == 0
 
-    with engine_env(tmp_path / "fresh", tp):
-        fresh = make_llm(tmp_path / f"ckpt-{STEPS}", tp, extension=False)
-        try:
-            reference = generate(fresh, prompts)
-        finally:
-            close_llm(fresh)
-    _assert_same_outputs(after, reference, STEPS)
-    _compare_with_reloaded_engine(tmp_path, model_dir, tp, prompts, per_step)
-
-
-def _assert_same_outputs(got: list[dict[str, Any]], want: list[dict[str, Any]], step: int) -> None:
-    for i, (g, w) in enumerate(zip(got, want, strict=True)):
-        assert g["tokens"] == w["tokens"], f"step {step} prompt {i}: greedy tokens differ"
-        assert g["prompt_logprobs"] == w["prompt_logprobs"], f"step {step} prompt {i}: logprobs differ"
-
-
-def _reload_checkpoint(worker: Any, path: str) -> None:
-    """Runs in each worker (sent with cloudpickle): vLLM's own full reload of a checkpoint."""
-    from safetensors.torch import load_file
-    from vllm.config import set_current_vllm_config
-
-    weights = load_file(path)
-    with set_current_vllm_config(worker.vllm_config):
-        worker.model_runner.reload_weights(
-            weights_iterator=iter(weights.items()), is_checkpoint_format=True
-        )
-
-
-def _compare_with_reloaded_engine(
-    tmp_path: Path, model_dir: Path, tp: int, prompts: list[str],
-    per_step: dict[int, list[dict[str, Any]]],
-) -> None:
-    """Steps 1..STEPS-1: the following engine's outputs equal an engine that loaded that
-    step's checkpoint with vLLM's own loader and has an empty prefix cache."""
-    empty = f"file://{tmp_path}/empty-bucket"  # the extension keeps its CPU path but follows nothing
-    with engine_env(tmp_path / "reload", tp, url=empty, metrics_port=0), _insecure_rpc():
-        ref = make_llm(model_dir, tp, extension=True)
-        try:
-            for step in range(1, STEPS):
-                ckpt = tmp_path / f"ckpt-{step}"
-                ref.collective_rpc(_reload_checkpoint, args=(str(ckpt / "model.safetensors"),))
-                live = ref.collective_rpc("deltasync_weight_digests")
-                want = ref.collective_rpc("deltasync_checkpoint_digests", args=(str(ckpt),))
-                assert live == want, f"step {step}: vLLM's reload did not load the checkpoint"
-                assert ref.reset_prefix_cache() is not False
-                _assert_same_outputs(per_step[step], generate(ref, prompts), step)
-        finally:
-            close_llm(ref)
-
-
-@contextlib.contextmanager
-def _insecure_rpc() -> Iterator[None]:
-    """Let ``collective_rpc`` ship a test function to the workers (cloudpickle)."""
-    saved = os.environ.get("VLLM_ALLOW_INSECURE_SERIALIZATION")
-    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
-    try:
-        yield
-    finally:
-        if saved is None:
-            os.environ.pop("VLLM_ALLOW_INSECURE_SERIALIZATION", None)
-        else:
-            os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = saved
+    references = fresh_outputs(tp, prompts, [checkpoints[s] for s in range(1, STEPS + 1)])
+    for step, want in zip(range(1, STEPS + 1), references, strict=True):
+        for i, (got, ref) in enumerate(zip(per_step[step], want, strict=True)):
+            assert got["tokens"] == ref["tokens"], f"step {step} prompt {i}: greedy tokens differ"
+            assert got["prompt_logprobs"] == ref["prompt_logprobs"], (
+                f"step {step} prompt {i}: prompt logprobs differ from a fresh engine's"
+            )
