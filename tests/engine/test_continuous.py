@@ -4,6 +4,10 @@ A TP=2 engine generates batch after batch while a trainer thread publishes steps
 records, for every model step it runs, the applied version at the start and at the end of the
 step (``deltasync_trace``). Ranks run the same sequence of model steps, so the records must
 agree position by position across ranks, and start and end must be equal within each step.
+
+Both ways of treating requests in flight at a switch run: ``continue`` (the default: running
+requests go on with the new weights, so some request spans two versions) and ``drain`` (the
+switch waits until running requests finish and holds new ones, so no request spans two).
 """
 
 from __future__ import annotations
@@ -24,7 +28,8 @@ STEPS = 8
 
 @requires_vllm
 @pytest.mark.engine
-def test_no_model_step_mixes_versions_across_or_within_ranks(tmp_path: Path) -> None:
+@pytest.mark.parametrize("in_flight", ["continue", "drain"])
+def test_no_model_step_mixes_versions_across_or_within_ranks(tmp_path: Path, in_flight: str) -> None:
     from vllm import SamplingParams
 
     tp = 2
@@ -34,7 +39,7 @@ def test_no_model_step_mixes_versions_across_or_within_ranks(tmp_path: Path) -> 
     params = SamplingParams(temperature=0.8, max_tokens=24, seed=1, ignore_eos=True)
     prompts = [f"rollout {i} the policy reward" for i in range(6)]
     with DeltaPublisher(url, anchor_every=4) as pub, engine_env(
-        tmp_path, tp, url=url, poll_interval_s=0.05, metrics_port=0
+        tmp_path, tp, url=url, poll_interval_s=0.05, metrics_port=0, in_flight=in_flight
     ):
         pub.publish(0, trainer.named_tensors())
         pub.flush()
@@ -73,5 +78,8 @@ def test_no_model_step_mixes_versions_across_or_within_ranks(tmp_path: Path) -> 
     assert versions_with_tokens == sorted(versions_with_tokens)  # never goes back
     assert len(set(versions_with_tokens)) >= 3, "too few switches happened while generating"
     assert versions_with_tokens[-1] == STEPS
-    spans = [o.outputs[0].weight_versions for o in outputs]
-    assert any(len({s.version for s in sp}) > 1 for sp in spans), "no request crossed a switch"
+    crossed = [o for o in outputs if len({s.version for s in o.outputs[0].weight_versions}) > 1]
+    if in_flight == "continue":
+        assert crossed, "no request crossed a switch"
+    else:
+        assert not crossed, "drain: a request ran on two versions"
