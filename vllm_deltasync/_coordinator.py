@@ -142,11 +142,11 @@ class Coordinator:
         results = list(self.engine.collective_rpc("deltasync_apply", args=(step,)))
         pause_s = time.perf_counter() - started
         failed = [r for r in results if not r.get("ok")]
-        if self.config.reset_prefix_cache or failed:
-            self.engine.reset_prefix_cache(reset_running_requests=True)
         if failed:
-            self._on_failure(step, failed)
+            self._after_failure(step, failed)
             return
+        if self.config.reset_prefix_cache:
+            self.engine.reset_prefix_cache(reset_running_requests=True)
         if self._held_after_failure:
             self.engine.scheduler.set_pause_state(self._pause.UNPAUSED)
             self._held_after_failure = False
@@ -163,12 +163,37 @@ class Coordinator:
         logger.info("deltasync switched step=%d ranks=%d pause=%.4fs", step, len(results),
                     pause_s)
 
-    def _on_failure(self, step: int, failed: list[Mapping[str, Any]]) -> None:
-        """Some rank could not apply: hold scheduling, send every rank back to an anchor."""
+    def _after_failure(self, step: int, failed: list[Mapping[str, Any]]) -> None:
+        """Some rank could not apply ``step``: take the switch back on every rank, or hold.
+
+        A rank whose apply fails puts back what it wrote (``reverted``); the ranks that
+        succeeded are asked to take their switch back too (``deltasync_revert``). No batch ran
+        in between, so when every rank managed it the engine holds the previous step bit for
+        bit, prefix cache included, and goes on serving it; the ranks then wait for an anchor
+        newer than the failed step. Only when some rank cannot put its weights back (an
+        anchor was half written, or the revert failed) is scheduling held until an anchor
+        applies everywhere (:meth:`_hold`).
+        """
         self.last_error = f"step {step}: " + "; ".join(
             f"rank {r.get('rank')}: {r.get('error')}" for r in failed)
+        if all(r.get("reverted") for r in failed):
+            back = list(self.engine.collective_rpc("deltasync_revert",
+                                                   args=(step, self.last_error)))
+            if all(back):
+                logger.error("deltasync switch to step %d failed and was taken back on every "
+                             "rank; serving version %s until a newer anchor applies: %s", step,
+                             self.engine.get_weight_version(), self.last_error)
+                self._release_drain()
+                return
+            self.last_error += "; ranks " + ", ".join(
+                str(i) for i, ok in enumerate(back) if not ok) + " could not take it back"
+        self._hold()
+
+    def _hold(self) -> None:
+        """The ranks' weights are not one version: hold scheduling, resync through an anchor."""
         logger.error("deltasync switch failed, holding requests until an anchor applies: %s",
                      self.last_error)
+        self.engine.reset_prefix_cache(reset_running_requests=True)
         self.engine.collective_rpc("deltasync_reset", args=(self.last_error,))
         self.engine.set_weight_version("inconsistent")
         self.engine.scheduler.set_pause_state(self._pause.PAUSED_ALL)

@@ -10,6 +10,13 @@ parameters by address keep working.
 Relative pieces carry int16 differences of bf16 bit patterns: ``new_bits = old_bits + diff``
 modulo 2**16, computed on int16 views of the parameter on its device.
 
+Undo (:class:`Undo`): given one, :func:`apply_patches` records how to put back every piece it
+wrote, so a switch that fails on some rank can be taken back on all of them, bit for bit.
+A relative piece is its own undo (subtract the differences: no copy); an absolute sparse piece
+keeps the old values at its indices (one gather, the size of the piece). Dense absolute pieces
+(anchors) are not recorded, since that would copy the model: after one is written the undo is
+incomplete and the rank can only resync through an anchor.
+
 Digest definition (:func:`tensor_digest`, :func:`checkpoint_digest`): sha256 over the raw bytes
 of the elements of one checkpoint tensor that this rank holds, in increasing checkpoint flat
 index, each element once (little-endian, in the parameter's dtype). At TP=1 it equals the sha256
@@ -21,6 +28,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterable
+from dataclasses import dataclass, field
 
 import torch
 
@@ -47,26 +55,71 @@ def prepare(pieces: Iterable[Piece], *, non_blocking: bool = False) -> list[Piec
     return out
 
 
-def apply_patches(pieces: Iterable[Piece]) -> int:
+@dataclass
+class Undo:
+    """How to put back what :func:`apply_patches` wrote (module docstring)."""
+
+    entries: list[tuple[Piece, torch.Tensor | None]] = field(default_factory=list)
+    """Written pieces in write order, each with the old values it replaced (None: relative)."""
+    complete: bool = True
+    """False once a piece was written that cannot be taken back (a dense absolute one)."""
+
+    def record(self, piece: Piece, flat: torch.Tensor) -> torch.Tensor | None:
+        """Before ``piece`` is written into ``flat``: what must be kept to take it back."""
+        if piece.relative:
+            return None
+        if piece.dense is not None:
+            self.complete = False
+            return None
+        assert piece.indices is not None
+        return flat.index_select(0, piece.indices)
+
+    def revert(self) -> None:
+        """Put back every recorded piece, newest first. Raises if the undo is incomplete."""
+        if not self.complete:
+            raise ApplyError("a dense (anchor) piece was written; it cannot be taken back")
+        while self.entries:
+            piece, old = self.entries.pop()
+            flat = _flat(piece)
+            if piece.relative:
+                back = Piece(piece.param, piece.indices, -piece.values, dense=piece.dense,
+                             relative=True)
+            else:
+                assert old is not None
+                back = Piece(piece.param, piece.indices, old, dense=piece.dense, relative=False)
+            _write(flat, back)
+
+
+def apply_patches(pieces: Iterable[Piece], undo: Undo | None = None) -> int:
     """Write every piece in place; return the number of elements written.
 
-    Pieces not yet prepared are moved on the fly (slower: do :func:`prepare` before the switch).
+    With ``undo``, every piece written is recorded in it first (see :class:`Undo`). Pieces not
+    yet prepared are moved on the fly (slower: do :func:`prepare` before the switch).
     """
     written = 0
     for piece in pieces:
         if piece.values.device != piece.param.device:
             (piece,) = prepare([piece])
-        flat = piece.param.data.view(-1)
-        if piece.relative:
-            if piece.values.dtype != torch.int16 or flat.element_size() != 2:
-                raise ApplyError(
-                    f"relative piece needs int16 differences and a 16-bit parameter, got "
-                    f"{piece.values.dtype} into {flat.dtype}"
-                )
-            flat = flat.view(torch.int16)
+        flat = _flat(piece)
+        old = undo.record(piece, flat) if undo is not None else None
         _write(flat, piece)
+        if undo is not None:
+            undo.entries.append((piece, old))
         written += piece.values.numel()
     return written
+
+
+def _flat(piece: Piece) -> torch.Tensor:
+    """The parameter's storage as a flat view, int16 for relative pieces."""
+    flat = piece.param.data.view(-1)
+    if piece.relative:
+        if piece.values.dtype != torch.int16 or flat.element_size() != 2:
+            raise ApplyError(
+                f"relative piece needs int16 differences and a 16-bit parameter, got "
+                f"{piece.values.dtype} into {flat.dtype}"
+            )
+        flat = flat.view(torch.int16)
+    return flat
 
 
 def _write(flat: torch.Tensor, piece: Piece) -> None:
@@ -142,4 +195,4 @@ def checkpoint_digest(shardmap: ShardMap, name: str, full: torch.Tensor) -> str:
     return sha256_hex(_rank_values(targets, values).to(dtype))
 
 
-__all__ = ["apply_patches", "checkpoint_digest", "prepare", "sha256_hex", "tensor_digest"]
+__all__ = ["Undo", "apply_patches", "checkpoint_digest", "prepare", "sha256_hex", "tensor_digest"]

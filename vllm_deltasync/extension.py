@@ -102,15 +102,28 @@ class DeltaSyncExtension:
         return self._deltasync_state().poller.ready_steps()
 
     def deltasync_apply(self, step: int) -> dict[str, Any]:
-        """Apply every staged step up to ``step`` in place. Returns what was done, or the error."""
+        """Apply every staged step up to ``step`` in place. Returns what was done, or the error
+        and whether this rank put its weights back (``reverted``)."""
+        from .rank import ApplyFailed
+
         state = self._deltasync_state()
         try:
             return {"ok": True, "rank": state.rank, **state.apply(step)}
         except Exception as exc:  # noqa: BLE001 - reported to the coordinator, never raised
             state.last_error = f"{type(exc).__name__}: {exc}"
             logger.exception("deltasync apply step=%d rank=%d failed", step, state.rank)
-            state.poller.reset(state.last_error)
-            return {"ok": False, "rank": state.rank, "error": state.last_error}
+            reverted = isinstance(exc, ApplyFailed) and exc.reverted
+            if not reverted:
+                state.poller.reset(state.last_error)
+            return {"ok": False, "rank": state.rank, "error": state.last_error,
+                    "reverted": reverted}
+
+    def deltasync_revert(self, step: int, reason: str) -> bool:
+        """Take back this rank's switch to ``step`` (another rank failed it). True when the
+        rank holds its weights from before that switch again."""
+        state = self._deltasync_state()
+        state.last_error = reason
+        return state.revert(step, reason)
 
     def deltasync_reset(self, reason: str) -> None:
         """Forget the applied version (the next step is reached through an anchor)."""

@@ -7,8 +7,9 @@ them to the rank's shards and moves them to the device). Prepared steps wait in 
 queue until the engine takes them. It never touches live parameters: the worker's main thread
 applies what :meth:`Poller.take` returns, at a batch boundary.
 
-Thread contract: :meth:`ready_steps`, :meth:`take`, :meth:`mark_applied`, :meth:`reset` and
-:meth:`status` are called from the worker's main thread; everything else runs on the loop.
+Thread contract: :meth:`ready_steps`, :meth:`take`, :meth:`mark_applied`, :meth:`rewind`,
+:meth:`reset` and :meth:`status` are called from the worker's main thread; everything else
+runs on the loop.
 No vLLM import here: tests drive it with a real ``file://`` bucket and a plain module.
 """
 
@@ -94,6 +95,8 @@ class Poller:
         self._applying: int | None = None
         self._generation = 0
         self._floor: int | None = None
+        self._resync = False  # plan from an anchor although the applied step is known
+        self._bad_steps: set[int] = set()  # a switch to these failed: never stage them again
         self.newest_step: int | None = None
         self.newest_published_at: float | None = None
         self.last_discovery_at: float | None = None
@@ -126,6 +129,12 @@ class Poller:
     def applied_step(self) -> int | None:
         return self._applied
 
+    @property
+    def applied_manifest(self) -> tuple[int | None, Manifest | None]:
+        """The applied step and its manifest (None when it came from ``loaded_step``)."""
+        with self._lock:
+            return self._applied, self._applied_manifest
+
     def ready_steps(self) -> list[int]:
         """Steps staged and ready, in apply order (each chains on the one before)."""
         with self._lock:
@@ -153,7 +162,24 @@ class Poller:
             self._applied_manifest = manifest
             if self._applying is not None and self._applying <= manifest.step:
                 self._applying = None
+            self._resync = False
             self._staged = [s for s in self._staged if s.step > manifest.step]
+
+    def rewind(self, before: tuple[int | None, Manifest | None], failed: int, reason: str) -> None:
+        """A switch to ``failed`` was taken back: the weights are ``before`` again.
+
+        Staged steps are dropped and ``failed`` is never staged again; the next plan starts
+        from an anchor (a fresh chain) while the applied step stays what the weights hold.
+        """
+        with self._lock:
+            self._staged.clear()
+            self._applied, self._applied_manifest = before
+            self._applying = None
+            self._resync = True
+            self._bad_steps.add(failed)
+            self._generation += 1
+            self.last_error = reason
+        self._signal_room()
 
     def reset(self, reason: str) -> None:
         """Forget the applied version (its weights are unknown now): next plan starts at an anchor."""
@@ -204,7 +230,9 @@ class Poller:
         with self._lock:
             if self._staged:
                 return self._staged[-1].step
-            return self._applying if self._applying is not None else self._applied
+            if self._applying is not None:
+                return self._applying
+            return None if self._resync else self._applied
 
     async def _main(self) -> None:
         self._room = asyncio.Event()
@@ -255,6 +283,12 @@ class Poller:
         plan = await self._guarded(
             self._reader.plan(tip, target, max_chain=self.config.max_chain), "discover"
         )
+        bad = sorted(self._bad_steps.intersection(m.step for m in plan))
+        if bad:  # wait for an anchor newer than the step whose switch failed
+            self._floor = max(target, self._floor or target)
+            logger.warning("deltasync rank=%d: step %d is on a chain through step %d, whose "
+                           "switch failed; waiting for a newer anchor", self.rank, target, bad[-1])
+            return
         for manifest in plan:
             await self._wait_for_room()
             staged = await self._stage(manifest)

@@ -20,6 +20,32 @@ from .apply import sha256_hex
 from .config import SyncConfig
 from .errors import ApplyError, ChainError
 
+FAILPOINT_ENV = "DELTASYNC_TEST_FAIL_APPLY"
+"""Test-only failpoint, ``"<rank>:<step>:<pieces>"``: that rank's apply of that step raises
+after writing ``pieces`` pieces, once per process. The engine tests use it to prove a failed
+switch is taken back on every rank. Not a setting: never set it in production."""
+_failpoint_fired = False
+
+
+def _failpoint(rank: int, step: int) -> int | None:
+    global _failpoint_fired
+    spec = os.environ.get(FAILPOINT_ENV)
+    if not spec or _failpoint_fired:
+        return None
+    want_rank, want_step, pieces = (int(x) for x in spec.split(":"))
+    if (want_rank, want_step) != (rank, step):
+        return None
+    _failpoint_fired = True
+    return pieces
+
+
+class ApplyFailed(ApplyError):
+    """A rank's apply failed; ``reverted`` says whether its weights were put back."""
+
+    def __init__(self, message: str, *, reverted: bool) -> None:
+        super().__init__(message)
+        self.reverted = reverted
+
 
 class RankState:
     """Everything one rank keeps: config, shard map, poller, counters, the step trace."""
@@ -45,6 +71,8 @@ class RankState:
         self.model_steps = 0
         self.last_apply: dict[str, Any] | None = None
         self.last_error: str | None = None
+        self._undo: tuple[int, Any, Any] | None = None  # the last switch, to take it back
+        self._failed: tuple[int, bool] | None = None  # (step, put back) of a failed switch
         names = set(self.shardmap.names)
         self.poller = Poller(
             config,
@@ -72,30 +100,53 @@ class RankState:
         return pieces, nbytes
 
     def apply(self, step: int) -> dict[str, Any]:
-        """Main thread, between model steps: write every staged step up to ``step``."""
-        from .apply import apply_patches
+        """Main thread, between model steps: write every staged step up to ``step``.
 
+        All or nothing on this rank: if anything fails, what was written is put back (see
+        :class:`~vllm_deltasync.apply.Undo`) and :class:`ApplyFailed` says whether that
+        worked. After a success the undo is kept until the next apply, so the engine can take
+        the switch back with :meth:`revert` when another rank failed.
+        """
+        from .apply import Undo, apply_patches
+
+        self._undo, self._failed = None, None
         self._check_params_unchanged()
-        taken = self.poller.take(step)
-        applied = self.poller.applied_step
-        for staged in taken:  # check the whole chain before writing anything
-            m = staged.manifest
-            if m.kind == "delta" and m.base_step != applied:
-                raise ChainError(
-                    f"rank {self.rank}: step {m.step} applies on step {m.base_step}, "
-                    f"the engine holds step {applied}"
-                )
-            applied = m.step
+        before = self.poller.applied_manifest
+        undo = Undo()
         started = time.perf_counter()
         written = 0
-        for staged in taken:
-            t0 = time.perf_counter()
-            n = apply_patches(staged.payload)
-            _synchronize(staged.payload)
-            written += n
-            self.poller.mark_applied(staged.manifest)
-            kind = "anchor" if staged.manifest.kind == "anchor" else "delta"
-            self.stats.add_apply(kind, time.perf_counter() - t0, n)
+        try:
+            taken = self.poller.take(step)
+            applied = self.poller.applied_step
+            for staged in taken:  # check the whole chain before writing anything
+                m = staged.manifest
+                if m.kind == "delta" and m.base_step != applied:
+                    raise ChainError(
+                        f"rank {self.rank}: step {m.step} applies on step {m.base_step}, "
+                        f"the engine holds step {applied}"
+                    )
+                applied = m.step
+            for staged in taken:
+                t0 = time.perf_counter()
+                fail_after = _failpoint(self.rank, staged.step)
+                pieces = staged.payload if fail_after is None else staged.payload[:fail_after]
+                n = apply_patches(pieces, undo)
+                if fail_after is not None:
+                    raise ApplyError(f"rank {self.rank}: failpoint {FAILPOINT_ENV} at step "
+                                     f"{staged.step} after {len(pieces)} pieces")
+                _synchronize(staged.payload)
+                written += n
+                self.poller.mark_applied(staged.manifest)
+                kind = "anchor" if staged.manifest.kind == "anchor" else "delta"
+                self.stats.add_apply(kind, time.perf_counter() - t0, n)
+        except Exception as exc:
+            self.stats.add_failure("apply", exc)
+            reverted = self._put_back(undo, before, step, f"{type(exc).__name__}: {exc}")
+            self._failed = (step, reverted)
+            raise ApplyFailed(str(exc), reverted=reverted) from exc
+        self._undo = (step, undo, before)
+        self._failed = None
+        self.last_error = None
         self.last_apply = {
             "step": step,
             "steps": [s.step for s in taken],
@@ -110,6 +161,35 @@ class RankState:
             "at": time.time(),
         }
         return dict(self.last_apply)
+
+    def revert(self, step: int, reason: str) -> bool:
+        """Take back the switch to ``step`` because another rank failed it.
+
+        True when this rank holds the weights it had before that switch again (also when its
+        own apply failed and was already put back); False when it cannot, and then its poller
+        forgets the applied version (resync through an anchor).
+        """
+        kept, self._undo = self._undo, None
+        if kept is None:
+            return self._failed == (step, True)
+        applied, undo, before = kept
+        if applied != step:
+            self.poller.reset(f"{reason}; this rank's last switch was to step {applied}")
+            return False
+        return self._put_back(undo, before, step, reason)
+
+    def _put_back(self, undo: Any, before: Any, step: int, reason: str) -> bool:
+        """Revert ``undo`` and rewind the poller to ``before``; False (and a poller reset) when
+        the weights could not be put back."""
+        pieces = [piece for piece, _ in undo.entries]
+        try:
+            undo.revert()
+            _synchronize(pieces)
+        except Exception as exc:  # noqa: BLE001 - reported: the weights are unknown now
+            self.poller.reset(f"{reason}; could not put the weights back: {exc}")
+            return False
+        self.poller.rewind(before, step, reason)
+        return True
 
     def _check_params_unchanged(self) -> None:
         """vLLM's reload_weights may replace parameters: then re-derive the map, go to an anchor."""
@@ -207,4 +287,4 @@ def digest_names(state: RankState, names: Iterable[str] | None) -> list[str]:
     return [n for n in chosen if n not in sm.ignored and n not in sm.covered_by]
 
 
-__all__ = ["RankState", "checkpoint_params", "digest_names", "safetensors_files", "sha256_hex"]
+__all__ = ["FAILPOINT_ENV", "ApplyFailed", "RankState", "checkpoint_params", "digest_names", "safetensors_files", "sha256_hex"]

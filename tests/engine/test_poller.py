@@ -177,3 +177,45 @@ def test_a_step_being_applied_is_the_base_of_the_next_plan(tmp_path: Path) -> No
             assert poller.ready_steps() == [1] and poller.applied_step == 0
         finally:
             poller.close()
+
+
+def test_a_switch_taken_back_waits_for_a_newer_anchor(tmp_path: Path) -> None:
+    """After rewind() the applied step is the one before the failed switch; the failed step,
+    and every chain through it, is never staged again; the next anchor after it is."""
+    url = f"file://{tmp_path}/bucket"
+    w, g = _weights(10), torch.Generator().manual_seed(11)
+    with DeltaPublisher(url, anchor_every=4) as pub:  # anchors at 0 and 4
+        for step in range(3):
+            _step(w, g)
+            pub.publish(step, w.items())
+        pub.flush()
+        poller = Poller(SyncConfig(url=url, poll_interval_s=0.05), _patches_bytes)
+        poller.start()
+        try:
+            _wait(lambda: poller.ready_steps() == [0, 1, 2])
+            for staged in poller.take(1):
+                poller.mark_applied(staged.manifest)
+            before = poller.applied_manifest
+            (failed,) = poller.take(2)
+            poller.mark_applied(failed.manifest)  # one rank wrote it, another failed it
+            poller.rewind(before, 2, "rank 1 failed step 2")
+            assert poller.applied_step == 1 and poller.applied_manifest == before
+            _step(w, g)
+            pub.publish(3, w.items())  # a delta on the failed step: never staged
+            pub.flush()
+            time.sleep(0.5)
+            assert poller.ready_steps() == []
+            assert poller.status()["applied_step"] == 1
+            _step(w, g)
+            pub.publish(4, w.items())  # an anchor: the way back
+            pub.flush()
+            _wait(lambda: poller.ready_steps() == [4])
+            (anchor,) = poller.take(4)
+            assert anchor.manifest.kind == "anchor"
+            poller.mark_applied(anchor.manifest)
+            _step(w, g)
+            pub.publish(5, w.items())
+            pub.flush()
+            _wait(lambda: poller.ready_steps() == [5])  # deltas chain again after it
+        finally:
+            poller.close()

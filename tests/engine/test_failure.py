@@ -1,0 +1,105 @@
+"""A switch that fails on one rank is taken back on every rank, and the engine keeps serving.
+
+TP=2 engine following a file:// bucket. The test-only failpoint (``DELTASYNC_TEST_FAIL_APPLY``,
+vllm_deltasync/rank.py) makes rank 1 raise half-way through writing step 3, after rank 0 wrote
+all of it. Then:
+
+* both ranks hold step 2 again, bit for bit (live digests equal the trainer's step-2
+  checkpoint), and the engine's weight version stays "2";
+* generation is not held: the engine answers at once, with the same tokens and prompt
+  logprobs as before the failed switch (the prefix cache it kept is still valid);
+* a delta chained on the failed step is never applied; the next anchor is, and deltas chain
+  from it again.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from vllm_deltasync import DeltaPublisher
+from vllm_deltasync.rank import FAILPOINT_ENV
+from vllm_deltasync.toymodel import build_model
+
+from .conftest import (
+    Trainer,
+    close_llm,
+    engine_env,
+    engine_status,
+    generate,
+    long_prompts,
+    make_llm,
+    requires_vllm,
+    wait_applied,
+)
+
+
+def _digests_equal_checkpoint(llm: Any, ckpt: Path) -> bool:
+    live = llm.collective_rpc("deltasync_weight_digests")
+    want = llm.collective_rpc("deltasync_checkpoint_digests", args=(str(ckpt),))
+    return bool(live) and live == want
+
+
+@requires_vllm
+@pytest.mark.engine
+def test_failed_switch_is_taken_back_and_the_engine_keeps_serving(tmp_path: Path) -> None:
+    tp = 2
+    model_dir = build_model(tmp_path / "model", "llama", seed=21)
+    trainer = Trainer(model_dir, lr=1e-5, seed=21)
+    url = f"file://{tmp_path}/bucket"
+    prompts = long_prompts(2, seed=21)
+    with DeltaPublisher(url, anchor_every=5) as pub, engine_env(
+        tmp_path, tp, {FAILPOINT_ENV: "1:3:2"}, url=url, poll_interval_s=0.2, metrics_port=0
+    ):
+
+        def publish(step: int) -> None:
+            trainer.step()
+            pub.publish(step, trainer.named_tensors())
+            pub.flush()
+
+        pub.publish(0, trainer.named_tensors())
+        pub.flush()
+        llm = make_llm(model_dir, tp, extension=True)
+        try:
+            wait_applied(llm, 0)
+            for step in (1, 2):
+                publish(step)
+                wait_applied(llm, step)
+            ckpt2 = trainer.save(tmp_path / "ckpt-2")
+            before = generate(llm, prompts)
+
+            publish(3)  # rank 1 fails it half-way
+            deadline = time.monotonic() + 60
+            while "step 3" not in (engine_status(llm)["last_error"] or ""):
+                assert time.monotonic() < deadline, engine_status(llm)
+                time.sleep(0.1)
+            status = engine_status(llm)
+            assert "failpoint" in status["last_error"] and status["weight_version"] == "2"
+            assert [r["applied_step"] for r in status["ranks"]] == [2, 2]
+            assert _digests_equal_checkpoint(llm, ckpt2), "the failed switch was not taken back"
+            started = time.monotonic()
+            again = generate(llm, prompts)
+            assert time.monotonic() - started < 30, "generation was held after the failure"
+            assert [o["tokens"] for o in again] == [o["tokens"] for o in before]
+            assert [o["prompt_logprobs"] for o in again] == [o["prompt_logprobs"] for o in before]
+            assert all(o["weight_versions"][-1].version == "2" for o in again)
+
+            publish(4)  # a delta on the failed step: waits for an anchor
+            time.sleep(2.0)
+            assert [s["applied_step"] for s in llm.collective_rpc("deltasync_status")] == [2, 2]
+            publish(5)  # the anchor
+            wait_applied(llm, 5)
+            assert _digests_equal_checkpoint(llm, trainer.save(tmp_path / "ckpt-5"))
+            publish(6)  # deltas chain from the anchor again
+            statuses = wait_applied(llm, 6)
+            assert all(s["last_error"] is None for s in statuses), statuses
+            assert _digests_equal_checkpoint(llm, trainer.save(tmp_path / "ckpt-6"))
+            final = engine_status(llm)
+        finally:
+            close_llm(llm)
+    switched = [s["step"] for s in final["switches"]]
+    assert 3 not in switched and 4 not in switched and switched[-2:] == [5, 6], switched
+    assert final["weight_version"] == "6"
