@@ -117,9 +117,10 @@ def test_engine_metrics_follow_published_steps(server: dict[str, Any], prometheu
         generate(server["api"], server["model"])
         time.sleep(0.5)
     last = trainer.step - 1
-    # staleness returns to zero once publishing stops, with the newest step applied
+    # the newest step gets applied, and staleness returns to zero once publishing stops (a
+    # scrape can see steps_behind 0 before the rank discovered the last steps: wait for both)
+    prom.wait_for("min(deltasync_applied_step)", lambda v: v == last, timeout=60)
     prom.wait_for("max(deltasync_steps_behind)", lambda v: v == 0, timeout=60)
-    assert prom.value("min(deltasync_applied_step)") == last
     assert prom.value("max(deltasync_newest_step)") == last
     # the applied step moved while Prometheus watched (it started at the anchor, step 0)
     assert prom.value("min_over_time(min(deltasync_applied_step)[5m:1s])") <= 0
