@@ -225,14 +225,16 @@ class Poller:
             with contextlib.suppress(RuntimeError):  # loop closed
                 self._loop.loop.call_soon_threadsafe(room.set)
 
-    def _tip(self) -> int | None:
-        """The step the next plan starts from: staged tail, else the step being applied."""
+    def _tip(self) -> tuple[int | None, int]:
+        """The step the next plan starts from (staged tail, else the step being applied), and
+        the generation it belongs to: a plan made from it is dropped if a reset or rewind
+        comes in between."""
         with self._lock:
             if self._staged:
-                return self._staged[-1].step
+                return self._staged[-1].step, self._generation
             if self._applying is not None:
-                return self._applying
-            return None if self._resync else self._applied
+                return self._applying, self._generation
+            return (None if self._resync else self._applied), self._generation
 
     async def _main(self) -> None:
         self._room = asyncio.Event()
@@ -266,7 +268,7 @@ class Poller:
         self.last_error = text
 
     async def _round(self) -> None:
-        tip = self._tip()
+        tip, generation = self._tip()
         after = tip if self._floor is None or (tip is not None and tip > self._floor) else self._floor
         target = await self._guarded(
             self._watcher.wait_for_new(after=after, timeout_s=self.config.poll_interval_s),
@@ -279,7 +281,6 @@ class Poller:
             self.newest_published_at = newest.created_at
         if target is None:
             return
-        generation = self._generation
         plan = await self._guarded(
             self._reader.plan(tip, target, max_chain=self.config.max_chain), "discover"
         )
