@@ -94,8 +94,13 @@ class DeltaSyncExtension:
         return self.deltasync_status()
 
     def deltasync_status(self) -> dict[str, Any]:
-        """This rank's status: applied/staged/newest step, last error, counters (metrics.py)."""
-        return self._deltasync_state().status()
+        """This rank's status: applied/staged/newest step, last error, counters (metrics.py).
+
+        The engine core polls it at the start of every tick, so by now the last switch is final
+        (a revert only ever follows its apply within one tick): its undo is dropped here."""
+        state = self._deltasync_state()
+        state.settle()
+        return state.status()
 
     def deltasync_ready(self) -> list[int]:
         """Steps staged and fully prepared on this rank, in apply order."""

@@ -104,8 +104,9 @@ class RankState:
 
         All or nothing on this rank: if anything fails, what was written is put back (see
         :class:`~vllm_deltasync.apply.Undo`) and :class:`ApplyFailed` says whether that
-        worked. After a success the undo is kept until the next apply, so the engine can take
-        the switch back with :meth:`revert` when another rank failed.
+        worked. After a success the undo is kept until :meth:`settle` (the engine's next status
+        poll), so the engine can take the switch back with :meth:`revert` when another rank
+        failed.
         """
         from .apply import Undo, apply_patches
 
@@ -177,6 +178,11 @@ class RankState:
             self.poller.reset(f"{reason}; this rank's last switch was to step {applied}")
             return False
         return self._put_back(undo, before, step, reason)
+
+    def settle(self) -> None:
+        """The last switch is final (the engine moved on): drop its undo and the pieces it
+        keeps alive, so they do not stay in memory until the next switch."""
+        self._undo = None
 
     def _put_back(self, undo: Any, before: Any, step: int, reason: str) -> bool:
         """Revert ``undo`` and rewind the poller to ``before``; False (and a poller reset) when
