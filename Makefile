@@ -2,7 +2,7 @@
 PY := .venv/bin/python
 export PYTHONDONTWRITEBYTECODE := 1
 
-.PHONY: setup test lint demo bench clean
+.PHONY: setup check test lint demo bench clean
 
 setup:
 	@bash scripts/setup.sh
@@ -11,6 +11,11 @@ lint: setup
 	$(PY) -m ruff check vllm_deltasync tests examples benchmarks
 	$(PY) -m mypy
 
+# Fast loop while working: lint, types and every test that starts no vLLM engine (< 5 min).
+check: lint
+	$(PY) -m pytest -q -m "not engine" tests
+
+# The full suite, engines included; what CI runs (.ci/run).
 test: lint
 	$(PY) -m pytest -q tests
 

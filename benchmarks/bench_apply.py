@@ -29,8 +29,8 @@ from typing import Any
 
 import torch
 
+from examples.toymodel import build_model
 from vllm_deltasync import DeltaPublisher
-from vllm_deltasync.toymodel import build_model
 
 CASES = {  # name: build_model keyword arguments
     "llama-22M": {"hidden_size": 512, "num_layers": 4, "num_heads": 8, "num_kv_heads": 4,

@@ -1,6 +1,6 @@
 """Codec benchmark: bytes per step and per changed element, encode/decode throughput vs memcpy.
 
-The deltas are real: a Llama-shaped model (``vllm_deltasync.toymodel``) trained with AdamW on
+The deltas are real: a Llama-shaped model (``examples/toymodel.py``) trained with AdamW on
 fp32 master weights, published as bf16 (mixed precision, as RL trainers do); the delta of one
 step is every element whose bf16 bit pattern changed between two consecutive steps. Every
 codec encodes the same deltas. Throughput is single-threaded CPU time (``time.thread_time``),
@@ -20,7 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
-from vllm_deltasync.codec import Codec, get_codec
+from vllm_deltasync.format.codec import Codec
+from vllm_deltasync.format.codecs import get_codec
 
 LRS = (1e-6, 3e-6, 1e-5)
 CODECS = ("sparse-v1", "sparse-v2", "sparse-v2-zstd")
@@ -54,7 +55,7 @@ def _model(quick: bool) -> torch.nn.Module:
                  hidden_size=768, num_layers=4, num_heads=12, num_kv_heads=4,
                  intermediate_size=2048, vocab_size=8192)
     try:
-        from vllm_deltasync.toymodel import build_model, load_hf_model
+        from examples.toymodel import build_model, load_hf_model
     except ImportError:
         from transformers import LlamaConfig, LlamaForCausalLM
 

@@ -33,7 +33,8 @@ from typing import Any
 
 import aiohttp
 
-from vllm_deltasync.discovery import StepWatcher, manifest_name
+from vllm_deltasync.format.layout import manifest_path
+from vllm_deltasync.server.worker.discovery import StepWatcher
 from vllm_deltasync.stores.hf import HfStore
 
 HUBSERVER = Path(__file__).resolve().parents[1] / "tests" / "stores" / "hubserver.py"
@@ -167,7 +168,7 @@ async def _follow(hub: Any, k: float, duration_s: float, events: bool) -> int:
         nonlocal step
         while time.monotonic() - started < duration_s:
             step += 1
-            await asyncio.to_thread(hub.put, BUCKET, manifest_name(step), b"{}")
+            await asyncio.to_thread(hub.put, BUCKET, manifest_path(step), b"{}")
             await asyncio.sleep(60.0 / k)
 
     task = asyncio.create_task(trainer())

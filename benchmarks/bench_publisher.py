@@ -22,8 +22,8 @@ from pathlib import Path
 
 import torch
 
+from examples.toymodel import build_model, load_hf_model
 from vllm_deltasync import DeltaPublisher
-from vllm_deltasync.toymodel import build_model, load_hf_model
 
 
 @dataclass(frozen=True)

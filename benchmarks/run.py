@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     unknown = sorted(set(names) - set(BENCHMARKS))
     if unknown:
         parser.error(f"unknown benchmark(s) {unknown}; choose from {sorted(BENCHMARKS)}")
-    started, t0 = datetime.datetime.now(datetime.timezone.utc), time.perf_counter()
+    started, t0 = datetime.datetime.now(datetime.UTC), time.perf_counter()
     results = {}
     for name in names:
         print(f"[benchmarks] {name} ...", file=sys.stderr, flush=True)

@@ -33,9 +33,9 @@ def trainer(model_dir: str, url: str, steps: int, interval_s: float, lr: float,
             engine_ready: Any) -> None:
     """The trainer process: AdamW in bf16, one publish per optimizer step."""
     import torch
+    from toymodel import load_hf_model
 
     from vllm_deltasync import DeltaPublisher
-    from vllm_deltasync.toymodel import load_hf_model
 
     torch.set_num_threads(1)
     model = load_hf_model(model_dir)
@@ -98,7 +98,7 @@ def main() -> None:
     args = parser.parse_args()
     work = Path(args.out or tempfile.mkdtemp(prefix="deltasync-demo-")).resolve()
     work.mkdir(parents=True, exist_ok=True)
-    from vllm_deltasync.toymodel import build_model
+    from toymodel import build_model
 
     model_dir = build_model(work / "model", "llama", **MODEL)
     url = f"file://{work}/bucket"

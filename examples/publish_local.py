@@ -18,9 +18,9 @@ import time
 from pathlib import Path
 
 import torch
+from toymodel import build_model, load_hf_model
 
 from vllm_deltasync import DeltaPublisher, Manifest
-from vllm_deltasync.toymodel import build_model, load_hf_model
 
 
 def parse_args() -> argparse.Namespace:

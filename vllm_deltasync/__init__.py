@@ -10,14 +10,15 @@ Trainer side::
             pub.publish(step, model.named_parameters())
 
 Importing this package never imports vLLM; ``vllm_deltasync.DeltaSyncExtension`` (the worker
-extension vLLM loads by name) is resolved lazily from :mod:`vllm_deltasync.extension`.
+extension vLLM loads by name) is resolved lazily from :mod:`vllm_deltasync.server.extension`.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from .errors import (
+from vllm_deltasync import _moved
+from vllm_deltasync.errors import (
     AlreadyExistsError,
     ApplyError,
     AuthError,
@@ -33,17 +34,19 @@ from .errors import (
     StoreError,
     TransientStoreError,
 )
-from .manifest import Manifest
-from .publisher import DeltaPublisher
-from .reader import BucketReader
-from .stores import open_store
+from vllm_deltasync.format.manifest import Manifest
+from vllm_deltasync.format.reader import BucketReader
+from vllm_deltasync.stores import open_store
+from vllm_deltasync.trainer.publisher import DeltaPublisher
+
+_moved.install()
 
 __version__ = "0.1.0"
 
 
 def __getattr__(name: str) -> Any:
     if name == "DeltaSyncExtension":
-        from .extension import DeltaSyncExtension
+        from vllm_deltasync.server.extension import DeltaSyncExtension
 
         return DeltaSyncExtension
     raise AttributeError(f"module 'vllm_deltasync' has no attribute {name!r}")

@@ -19,9 +19,9 @@ import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal
-from urllib.parse import urlsplit, urlunsplit
 
-from .errors import ConfigError
+from vllm_deltasync._urls import redact_url
+from vllm_deltasync.errors import ConfigError
 
 ENV_PREFIX = "VLLM_DELTASYNC_"
 ADDITIONAL_CONFIG_KEY = "deltasync"
@@ -170,18 +170,6 @@ def is_configured(additional_config: Mapping[str, Any] | None, environ: Mapping[
     )
 
 
-def redact_url(url: str) -> str:
-    """Drop ``user:password@`` and the query string from a URL."""
-    try:
-        parts = urlsplit(url)
-    except ValueError:
-        return "<unparsable url>"
-    netloc = parts.hostname or ""
-    if parts.port:
-        netloc += f":{parts.port}"
-    return urlunsplit((parts.scheme, netloc, parts.path, "", ""))
-
-
 def _positive(cfg: SyncConfig, *names: str) -> None:
     for name in names:
         if getattr(cfg, name) <= 0:
@@ -231,4 +219,4 @@ def _coerce(f: dataclasses.Field[Any], value: Any, where: str) -> Any:
         raise ConfigError(f"{where}={shown} is not a valid {kind}: {exc}") from exc
 
 
-__all__ = ["ENV_PREFIX", "ConfigError", "SyncConfig", "is_configured", "redact_url"]
+__all__ = ["ENV_PREFIX", "ConfigError", "SyncConfig", "is_configured"]

@@ -7,9 +7,10 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from vllm_deltasync.codec import TensorPatch, get_codec
-from vllm_deltasync.codec_v2 import SparseV2Codec
 from vllm_deltasync.errors import FormatError
+from vllm_deltasync.format.codec import TensorPatch
+from vllm_deltasync.format.codecs import get_codec
+from vllm_deltasync.format.sparse_v2 import SparseV2Codec
 
 from .conftest import SPECIAL_BITS, bits_to_bf16
 
@@ -170,9 +171,9 @@ def test_v2_rejects_corrupt_frames_and_meta(gen: torch.Generator) -> None:
 
 def test_publisher_and_reader_carry_v2(tmp_path, gen: torch.Generator) -> None:  # type: ignore[no-untyped-def]
     """End to end through the real publisher and reader on a file:// bucket."""
-    from vllm_deltasync._bridge import run_sync
-    from vllm_deltasync.publisher import DeltaPublisher
-    from vllm_deltasync.reader import BucketReader
+    from vllm_deltasync._loop import run_sync
+    from vllm_deltasync.format.reader import BucketReader
+    from vllm_deltasync.trainer.publisher import DeltaPublisher
 
     url = f"file://{tmp_path}/bucket"
     w = {"a": torch.randn(64, 48, generator=gen).to(torch.bfloat16), "b": torch.randn(300, generator=gen).to(torch.bfloat16)}

@@ -7,12 +7,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from vllm_deltasync._bridge import run_sync
+from vllm_deltasync._loop import run_sync
 from vllm_deltasync.cli import main
 from vllm_deltasync.errors import ChainError, FormatError
-from vllm_deltasync.publisher import DeltaPublisher
-from vllm_deltasync.reader import BucketReader
-from vllm_deltasync.trl_import import TrlImporter, parse_trl_path, plan_replay
+from vllm_deltasync.format.reader import BucketReader
+from vllm_deltasync.trainer.publisher import DeltaPublisher
+from vllm_deltasync.trainer.trl_import import TrlImporter, parse_trl_path, plan_replay
 
 from .conftest import trl_delta_meta, trl_file
 

@@ -30,7 +30,7 @@ from typing import Any
 import pytest
 import torch
 
-from vllm_deltasync.toymodel import load_hf_model
+from examples.toymodel import load_hf_model
 
 EXTENSION = "vllm_deltasync.DeltaSyncExtension"
 REPO = Path(__file__).resolve().parents[2]

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from vllm_deltasync.config import SyncConfig, is_configured, redact_url
+from vllm_deltasync._urls import redact_url
+from vllm_deltasync.config import SyncConfig, is_configured
 from vllm_deltasync.errors import ConfigError
 
 

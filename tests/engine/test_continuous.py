@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from examples.toymodel import build_model
 from vllm_deltasync import DeltaPublisher
-from vllm_deltasync.toymodel import build_model
 
 from .conftest import Trainer, close_llm, engine_env, make_llm, requires_vllm, wait_applied
 

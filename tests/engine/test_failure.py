@@ -20,9 +20,9 @@ from typing import Any
 
 import pytest
 
+from examples.toymodel import build_model
 from vllm_deltasync import DeltaPublisher
-from vllm_deltasync.rank import FAILPOINT_ENV
-from vllm_deltasync.toymodel import build_model
+from vllm_deltasync.server.worker.rank import FAILPOINT_ENV
 
 from .conftest import (
     Trainer,

@@ -31,9 +31,9 @@ from typing import Any
 
 import pytest
 
+from examples.toymodel import build_model
 from vllm_deltasync import DeltaPublisher
-from vllm_deltasync.extension import sha256_hex
-from vllm_deltasync.toymodel import build_model
+from vllm_deltasync.server.extension import sha256_hex
 
 from .conftest import (
     FreshOutputs,

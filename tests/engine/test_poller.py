@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from vllm_deltasync import DeltaPublisher
-from vllm_deltasync._coordinator import common_ready_step
 from vllm_deltasync.config import SyncConfig
 from vllm_deltasync.errors import DeltaSyncError
-from vllm_deltasync.manifest import fingerprint
-from vllm_deltasync.poller import Poller
+from vllm_deltasync.format.manifest import fingerprint
+from vllm_deltasync.server.engine.coordinator import common_ready_step
+from vllm_deltasync.server.worker.poller import Poller
 
 
 def _weights(seed: int) -> dict[str, torch.Tensor]:

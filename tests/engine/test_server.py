@@ -16,8 +16,8 @@ from typing import Any
 
 import pytest
 
+from examples.toymodel import build_model
 from vllm_deltasync import DeltaPublisher
-from vllm_deltasync.toymodel import build_model
 
 from .conftest import ApiServer, Trainer, api_server, requires_vllm
 

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from vllm_deltasync.errors import TransientStoreError
-from vllm_deltasync.reader import BucketReader
+from vllm_deltasync.format.reader import BucketReader
 from vllm_deltasync.stores import register_store
 from vllm_deltasync.stores.local import LocalStore
 

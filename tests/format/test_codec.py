@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vllm_deltasync.codec import TensorPatch, decode_chunk, get_codec
 from vllm_deltasync.errors import FormatError
-from vllm_deltasync.manifest import Chunk, TensorEntry
+from vllm_deltasync.format.codec import TensorPatch
+from vllm_deltasync.format.codecs import decode_chunk, get_codec
+from vllm_deltasync.format.manifest import Chunk, TensorEntry
 
 
 def sparse_case(numel: int = 1000, k: int = 37, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

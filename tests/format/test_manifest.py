@@ -8,18 +8,8 @@ from pathlib import Path
 import pytest
 
 from vllm_deltasync.errors import FormatError
-from vllm_deltasync.manifest import (
-    Chunk,
-    FileEntry,
-    Manifest,
-    TensorEntry,
-    Totals,
-    data_path,
-    fingerprint,
-    manifest_path,
-    parse_data_path,
-    parse_manifest_path,
-)
+from vllm_deltasync.format.layout import data_path, manifest_path, parse_data_path, parse_manifest_path
+from vllm_deltasync.format.manifest import Chunk, FileEntry, Manifest, TensorEntry, Totals, fingerprint
 
 SHA = "ab" * 32
 

@@ -205,8 +205,8 @@ def test_publishes_tensors_on_the_gpu(bucket: str) -> None:
 
 
 def test_relative_codec_rebuilds_bit_for_bit(bucket: str) -> None:
-    from vllm_deltasync.codec import get_codec
     from vllm_deltasync.errors import FormatError
+    from vllm_deltasync.format.codecs import get_codec
 
     try:
         get_codec("sparse-v2")

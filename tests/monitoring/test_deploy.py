@@ -13,7 +13,7 @@ import pytest
 import yaml
 from prometheus_client import CollectorRegistry
 
-from vllm_deltasync import metrics
+from vllm_deltasync.server import metrics
 
 from .conftest import DEPLOY, need_binary
 
@@ -86,7 +86,7 @@ def test_every_metric_named_in_rules_and_dashboard_is_exported() -> None:
     known = exported_names() | record_names()
     used = {n for e in [*rule_exprs().values(), *dashboard_exprs()] for n in NAME.findall(e)}
     assert used, "no metric names found in the rules or the dashboard"
-    assert used <= known, f"not exported by vllm_deltasync.metrics: {sorted(used - known)}"
+    assert used <= known, f"not exported by vllm_deltasync.server.metrics: {sorted(used - known)}"
 
 
 def test_dashboard_structure() -> None:

@@ -47,7 +47,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     reason = hook_missing()
     if reason:
         pytest.skip(reason)
-    from vllm_deltasync.toymodel import build_model
+    from examples.toymodel import build_model
 
     return build_model(tmp_path_factory.mktemp("model") / "llama", family="llama")
 
@@ -56,8 +56,8 @@ class Trainer:
     """Real AdamW steps of the served model (fp32 master weights), published as bf16 deltas."""
 
     def __init__(self, model_dir: Path, url: str) -> None:
-        from vllm_deltasync.publisher import DeltaPublisher
-        from vllm_deltasync.toymodel import load_hf_model
+        from examples.toymodel import load_hf_model
+        from vllm_deltasync.trainer.publisher import DeltaPublisher
 
         self.model = load_hf_model(model_dir, dtype=torch.float32).train()
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=3e-4)

@@ -7,8 +7,8 @@ import json
 import pytest
 from prometheus_client import CollectorRegistry
 
-from vllm_deltasync import metrics
 from vllm_deltasync.errors import ChainError, ConfigError
+from vllm_deltasync.server import metrics
 from vllm_deltasync.stores.base import StoreStats
 
 from .conftest import http_get, parse_exposition, sample

@@ -11,7 +11,7 @@ from pathlib import Path
 from .conftest import parse_exposition
 
 ENGINE_CORE = """
-from vllm_deltasync import metrics
+from vllm_deltasync.server import metrics
 m = metrics.SyncMetrics(bucket_url="file:///bucket", format_version=1)
 stats = metrics.WorkerStats()
 stats.add_download("delta", 1234, 0.5)

@@ -24,11 +24,12 @@ import pytest
 import torch
 import yaml
 
-from vllm_deltasync import cli, metrics
+from vllm_deltasync import cli
 from vllm_deltasync.errors import DeltaSyncError, FormatError, IntegrityError, StoreError
-from vllm_deltasync.manifest import Manifest
-from vllm_deltasync.publisher import DeltaPublisher
-from vllm_deltasync.reader import BucketReader
+from vllm_deltasync.format.manifest import Manifest
+from vllm_deltasync.format.reader import BucketReader
+from vllm_deltasync.server import metrics
+from vllm_deltasync.trainer.publisher import DeltaPublisher
 
 from .conftest import DEPLOY, http_get, scrape_config
 

@@ -9,9 +9,10 @@ from collections.abc import Iterator
 
 import pytest
 
-from vllm_deltasync import cli, metrics
+from vllm_deltasync import cli
+from vllm_deltasync.cli.status import metrics_url
 from vllm_deltasync.errors import ConfigError
-from vllm_deltasync.status_cli import metrics_url
+from vllm_deltasync.server import metrics
 
 from .conftest import free_port
 

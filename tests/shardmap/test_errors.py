@@ -7,10 +7,15 @@ from collections.abc import Iterable
 import pytest
 import torch
 
-from vllm_deltasync.apply import apply_patches, checkpoint_digest, prepare, tensor_digest
-from vllm_deltasync.codec import TensorPatch
 from vllm_deltasync.errors import ApplyError
-from vllm_deltasync.shardmap import ShardMap
+from vllm_deltasync.format.codec import TensorPatch
+from vllm_deltasync.server.worker.apply import (
+    apply_patches,
+    checkpoint_digest,
+    prepare,
+    tensor_digest,
+)
+from vllm_deltasync.server.worker.shardmap import ShardMap
 
 from .conftest import TPWorld
 

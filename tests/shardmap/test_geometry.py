@@ -14,9 +14,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from vllm_deltasync.apply import apply_patches, prepare
-from vllm_deltasync.codec import TensorPatch
-from vllm_deltasync.shardmap import ShardMap
+from vllm_deltasync.format.codec import TensorPatch
+from vllm_deltasync.server.worker.apply import apply_patches, prepare
+from vllm_deltasync.server.worker.shardmap import ShardMap
 
 View = Callable[[torch.Tensor], torch.Tensor]
 

@@ -20,9 +20,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from vllm_deltasync.apply import apply_patches, prepare
-from vllm_deltasync.codec import TensorPatch
-from vllm_deltasync.shardmap import ShardMap
+from vllm_deltasync.format.codec import TensorPatch
+from vllm_deltasync.server.worker.apply import apply_patches, prepare
+from vllm_deltasync.server.worker.shardmap import ShardMap
 
 DATA = Path(__file__).parent / "data"
 LAYERS = {"llama2_7b": 32, "qwen2_7b": 28}

@@ -5,8 +5,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
-import vllm_deltasync.apply as apply_mod
-import vllm_deltasync.shardmap as shardmap_mod
+import vllm_deltasync.server.worker.apply as apply_mod
+import vllm_deltasync.server.worker.shardmap as shardmap_mod
 
 
 def test_exported_members() -> None:
@@ -24,7 +24,7 @@ def test_exported_members() -> None:
 def test_imports_without_vllm() -> None:
     code = (
         "import sys; sys.modules['vllm'] = None\n"
-        "import vllm_deltasync.shardmap, vllm_deltasync.apply\n"
+        "import vllm_deltasync.server.worker.shardmap, vllm_deltasync.server.worker.apply\n"
         "assert 'vllm' not in {m.split('.')[0] for m in sys.modules if sys.modules[m]}\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)

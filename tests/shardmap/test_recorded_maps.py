@@ -12,7 +12,7 @@ import os
 
 import pytest
 
-from vllm_deltasync.shardmap import ShardMap
+from vllm_deltasync.server.worker.shardmap import ShardMap
 
 from .conftest import RECORDED, TPWorld
 

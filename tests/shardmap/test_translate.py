@@ -10,9 +10,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vllm_deltasync.apply import apply_patches, checkpoint_digest, prepare, tensor_digest
-from vllm_deltasync.codec import TensorPatch
-from vllm_deltasync.shardmap import ShardMap, translate_all
+from vllm_deltasync.format.codec import TensorPatch
+from vllm_deltasync.server.worker.apply import (
+    apply_patches,
+    checkpoint_digest,
+    prepare,
+    tensor_digest,
+)
+from vllm_deltasync.server.worker.shardmap import ShardMap, translate_all
 
 from .conftest import TPWorld, random_checkpoint, sha256_bytes, state_bits
 

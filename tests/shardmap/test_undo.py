@@ -10,9 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vllm_deltasync.apply import Undo, apply_patches, prepare
 from vllm_deltasync.errors import ApplyError
-from vllm_deltasync.shardmap import Piece, ShardMap, translate_all
+from vllm_deltasync.server.worker.apply import Undo, apply_patches, prepare
+from vllm_deltasync.server.worker.shardmap import Piece, ShardMap, translate_all
 
 from .conftest import TPWorld, random_checkpoint, state_bits
 from .test_translate import make_step
@@ -66,7 +66,7 @@ def test_a_failure_half_way_puts_back_what_was_written(tp_world: TPWorld) -> Non
 
 def test_dense_absolute_pieces_make_the_undo_incomplete() -> None:
     param = torch.zeros(4, 6, dtype=torch.bfloat16)
-    from vllm_deltasync.shardmap import DenseView
+    from vllm_deltasync.server.worker.shardmap import DenseView
 
     piece = Piece(param, None, torch.ones(4, 6, dtype=torch.bfloat16),
                   dense=DenseView(offset=0, sizes=(4, 6), strides=(6, 1)))

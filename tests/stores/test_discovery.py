@@ -8,19 +8,20 @@ from typing import Any
 
 import pytest
 
-from vllm_deltasync.discovery import QuotaPacer, StepWatcher, manifest_name, step_of
+from vllm_deltasync.format.layout import manifest_path, parse_manifest_path
+from vllm_deltasync.server.worker.discovery import QuotaPacer, StepWatcher
 from vllm_deltasync.stores import open_store
 
 
 def test_manifest_names() -> None:
-    assert manifest_name(42) == "manifests/000000000042.json"
-    assert step_of("manifests/000000000042.json") == 42
-    assert step_of("data/000000000042-abc/00000.safetensors") is None
+    assert manifest_path(42) == "manifests/000000000042.json"
+    assert parse_manifest_path("manifests/000000000042.json") == 42
+    assert parse_manifest_path("data/000000000042-abc/00000.safetensors") is None
 
 
 async def _publish_later(store: Any, step: int, delay_s: float) -> float:
     await asyncio.sleep(delay_s)
-    await store.write(manifest_name(step), b"{}")
+    await store.write(manifest_path(step), b"{}")
     return time.monotonic()
 
 
@@ -33,7 +34,7 @@ async def _until(predicate: Any, timeout_s: float = 5.0) -> None:
 
 def test_events_feed_sees_a_new_step(hub: Any, hf_store: Any, run: Any) -> None:
     async def scenario() -> tuple[int | None, int | None, float, StepWatcher]:
-        await hf_store.write(manifest_name(1), b"{}")
+        await hf_store.write(manifest_path(1), b"{}")
         watcher = StepWatcher(hf_store, probe_interval_s=60.0, listing_interval_s=600.0)
         first = await watcher.wait_for_new(None, timeout_s=5.0)
         await _until(lambda: watcher.stats.mode == "events")
@@ -56,7 +57,7 @@ def test_polling_sees_a_new_step_when_the_feed_is_unavailable(
     hub.faults.events_enabled = False
 
     async def scenario() -> tuple[int | None, int | None, StepWatcher]:
-        await hf_store.write(manifest_name(7), b"{}")
+        await hf_store.write(manifest_path(7), b"{}")
         watcher = StepWatcher(hf_store, probe_interval_s=0.1, listing_interval_s=600.0)
         first = await watcher.wait_for_new(None, timeout_s=5.0)
         publish = asyncio.create_task(_publish_later(hf_store, 8, 0.3))
@@ -69,10 +70,10 @@ def test_polling_sees_a_new_step_when_the_feed_is_unavailable(
     assert (first, second) == (7, 8)
     assert watcher.stats.mode == "polling" and watcher.stats.events_unavailable == 1
     assert watcher.stats.probe_hits == 1 and watcher.stats.listings == 1
-    probes = [r for r in hub.requests("resolve") if r["path"].endswith(manifest_name(8))]
+    probes = [r for r in hub.requests("resolve") if r["path"].endswith(manifest_path(8))]
     # every probe but the last (of step 9, a miss) asked for step 8; + the write's own check
     assert len(probes) == watcher.stats.probes
-    assert [r for r in hub.requests("resolve") if r["path"].endswith(manifest_name(9))]
+    assert [r for r in hub.requests("resolve") if r["path"].endswith(manifest_path(9))]
 
 
 def test_probing_follows_the_publish_stride_and_catches_up(tmp_path: Any, run: Any) -> None:
@@ -80,14 +81,14 @@ def test_probing_follows_the_publish_stride_and_catches_up(tmp_path: Any, run: A
 
     async def scenario() -> tuple[list[int | None], StepWatcher]:
         for step in (10, 20):
-            await store.write(manifest_name(step), b"{}")
+            await store.write(manifest_path(step), b"{}")
         watcher = StepWatcher(store, probe_interval_s=0.05, listing_interval_s=600.0)
         seen = [await watcher.wait_for_new(None, 2.0)]
         publish = asyncio.create_task(_publish_later(store, 30, 0.2))
         seen.append(await watcher.wait_for_new(20, 5.0))
         await publish
         for step in (40, 50):
-            await store.write(manifest_name(step), b"{}")
+            await store.write(manifest_path(step), b"{}")
         seen.append(await watcher.wait_for_new(30, 5.0))
         seen.append(await watcher.wait_for_new(50, 0.3))
         return seen, watcher
@@ -109,7 +110,7 @@ def test_empty_bucket_times_out(tmp_path: Any, run: Any) -> None:
 
 def test_probing_slows_down_to_fit_a_shared_quota(hub: Any, hf_store: Any, run: Any) -> None:
     """A probe every 10 ms would spend a 40-per-3 s quota in 0.4 s; paced, it never hits 429."""
-    run(hf_store.write(manifest_name(1), b"{}"))
+    run(hf_store.write(manifest_path(1), b"{}"))
 
     def probe_for_two_seconds(pace: bool) -> tuple[StepWatcher, list[int]]:
         hub.set_quota("resolve", limit=40, window_s=3.0)

@@ -10,9 +10,9 @@ from typing import Any
 import pytest
 import torch
 
-from vllm_deltasync.discovery import StepWatcher
-from vllm_deltasync.publisher import DeltaPublisher
-from vllm_deltasync.reader import BucketReader
+from vllm_deltasync.format.reader import BucketReader
+from vllm_deltasync.server.worker.discovery import StepWatcher
+from vllm_deltasync.trainer.publisher import DeltaPublisher
 
 SHAPES = {"layers.0.weight": (64, 32), "layers.0.bias": (64,), "head.weight": (16, 64)}
 

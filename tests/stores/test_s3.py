@@ -8,8 +8,9 @@ from typing import Any
 
 import pytest
 
-from vllm_deltasync.discovery import StepWatcher, manifest_name
 from vllm_deltasync.errors import AlreadyExistsError, ConfigError, NotFoundError
+from vllm_deltasync.format.layout import manifest_path
+from vllm_deltasync.server.worker.discovery import StepWatcher
 from vllm_deltasync.stores import open_store
 from vllm_deltasync.stores.s3 import S3Store, parse_s3_url
 
@@ -83,13 +84,13 @@ def test_missing_bucket_and_secret_hygiene(make_s3_store: Any, s3_endpoint: str,
 
 def test_polling_discovery_on_s3(s3_store: S3Store, run: Any) -> None:
     async def scenario() -> tuple[int | None, int | None, StepWatcher]:
-        await s3_store.write(manifest_name(3), b"{}")
+        await s3_store.write(manifest_path(3), b"{}")
         watcher = StepWatcher(s3_store, probe_interval_s=0.1)
         first = await watcher.wait_for_new(None, 5.0)
 
         async def later() -> None:
             await asyncio.sleep(0.3)
-            await s3_store.write(manifest_name(4), b"{}")
+            await s3_store.write(manifest_path(4), b"{}")
 
         task = asyncio.create_task(later())
         second = await watcher.wait_for_new(3, 5.0)

@@ -18,8 +18,8 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from ..errors import ConfigError
-from .base import ObjectInfo, Store, StoreStats
+from vllm_deltasync.errors import ConfigError
+from vllm_deltasync.stores.base import ObjectInfo, Store, StoreStats
 
 # scheme -> (module, class, extra needed for its dependencies or None)
 _REGISTRY: dict[str, tuple[str, str, str | None]] = {

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import aiohttp
 
-from ..errors import (
+from vllm_deltasync.errors import (
     AlreadyExistsError,
     AuthError,
     ConfigError,
@@ -17,7 +17,7 @@ from ..errors import (
     StoreError,
     TransientStoreError,
 )
-from ._retry import parse_retry_after
+from vllm_deltasync.stores._retry import parse_retry_after
 
 _NOT_FOUND_HINT = {
     "RepoNotFound": "the bucket does not exist or the token cannot see it; check the URL and HF_TOKEN",

@@ -16,8 +16,8 @@ import asyncio
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-from ..errors import TransientStoreError
-from ._retry import RateGate, RetryPolicy, retry
+from vllm_deltasync.errors import TransientStoreError
+from vllm_deltasync.stores._retry import RateGate, RetryPolicy, retry
 
 
 class Chunks:

@@ -21,7 +21,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import TypeVar
 
-from ..errors import ConfigError, RateLimitedError, TransientStoreError
+from vllm_deltasync.errors import ConfigError, RateLimitedError, TransientStoreError
 
 logger = logging.getLogger(__name__)
 

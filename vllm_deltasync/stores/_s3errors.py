@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from ..errors import (
+from vllm_deltasync.errors import (
     AlreadyExistsError,
     AuthError,
     NotFoundError,

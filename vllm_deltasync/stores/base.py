@@ -2,7 +2,7 @@
 
 A store is a flat namespace of immutable objects under one URL prefix. Paths passed to a store
 are relative to that prefix and use ``/`` separators (``manifests/000000000042.json``). The
-format layer (``manifest.py``) decides the names; stores only move bytes.
+format layer (``format/layout.py``) decides the names; stores only move bytes.
 
 Contract (checked by the conformance suite in ``tests/stores/``):
 
@@ -24,6 +24,16 @@ import asyncio
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+from vllm_deltasync.errors import ConfigError
+
+
+def check_path(path: str) -> str:
+    """Reject paths that could leave the store's prefix."""
+    parts = path.split("/")
+    if not path or path.startswith("/") or "\\" in path or any(p in ("", ".", "..") for p in parts):
+        raise ConfigError(f"store path {path!r} must be relative, '/'-separated, without '.' or '..'")
+    return path
 
 
 @dataclass(frozen=True)

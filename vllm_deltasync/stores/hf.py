@@ -9,7 +9,7 @@ Reads speak the bucket HTTP API with aiohttp (the session is injectable):
   is only ever sent to the endpoint's own origin, never to the CDN host. Large objects are
   read as parallel ranges from the signed CDN URL (one resolve per read), a part cut by a
   dropped connection resumes from the last byte received.
-* ``changes``: the bucket's server-sent events feed (used by :mod:`vllm_deltasync.discovery`).
+* ``changes``: the bucket's server-sent events feed (used by :mod:`vllm_deltasync.server.worker.discovery`).
 
 Writes go through ``huggingface_hub.batch_bucket_files`` (uploads need ``hf_xet``). The Xet
 upload protocol cannot run offline, so the upload call is the one seam: pass ``uploader=`` (an
@@ -37,14 +37,14 @@ from urllib.parse import quote, urljoin, urlsplit
 import aiohttp
 from yarl import URL
 
-from ..errors import (
+from vllm_deltasync.errors import (
     ConfigError,
     NotFoundError,
     RateLimitedError,
     StoreError,
     TransientStoreError,
 )
-from ._hfhttp import (
+from vllm_deltasync.stores._hfhttp import (
     ChangeEvent,
     change_event,
     connection_error,
@@ -54,10 +54,15 @@ from ._hfhttp import (
     parse_sse,
     resolve_token,
 )
-from ._parts import Chunks, RangedReader, parse_content_range, range_header
-from ._retry import RateGate, RetryPolicy, parse_remaining, parse_retry_after, retry
-from .base import ObjectInfo, Store
-from .local import check_path
+from vllm_deltasync.stores._parts import Chunks, RangedReader, parse_content_range, range_header
+from vllm_deltasync.stores._retry import (
+    RateGate,
+    RetryPolicy,
+    parse_remaining,
+    parse_retry_after,
+    retry,
+)
+from vllm_deltasync.stores.base import ObjectInfo, Store, check_path
 
 Uploader = Callable[[list[tuple[str, bytes]]], Awaitable[None]]
 """Uploads ``[(path in bucket, bytes), ...]``; the seam that replaces the Xet upload in tests."""
@@ -165,7 +170,7 @@ class HfStore(Store):
                 return resp.status, resp.headers, body, dict(resp.links)
         except aiohttp.ClientError as exc:
             raise connection_error(exc, what) from exc
-        except asyncio.TimeoutError as exc:
+        except TimeoutError as exc:
             raise TransientStoreError(f"{what}: timed out") from exc
 
     async def _call(
@@ -345,7 +350,7 @@ class HfStore(Store):
                 return total if resp.status == 206 else None
         except aiohttp.ClientError as exc:
             raise connection_error(exc, what) from exc
-        except asyncio.TimeoutError as exc:
+        except TimeoutError as exc:
             raise TransientStoreError(f"{what}: read timed out after {len(buf)} bytes") from exc
 
     # -- events feed -------------------------------------------------------------------------

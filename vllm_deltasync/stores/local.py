@@ -16,18 +16,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ..errors import AlreadyExistsError, ConfigError, NotFoundError, StoreError
-from .base import ObjectInfo, Store
+from vllm_deltasync.errors import AlreadyExistsError, ConfigError, NotFoundError, StoreError
+from vllm_deltasync.stores.base import ObjectInfo, Store, check_path
 
 _TMP_PREFIX = ".tmp-"
-
-
-def check_path(path: str) -> str:
-    """Reject paths that could leave the store's prefix."""
-    parts = path.split("/")
-    if not path or path.startswith("/") or "\\" in path or any(p in ("", ".", "..") for p in parts):
-        raise ConfigError(f"store path {path!r} must be relative, '/'-separated, without '.' or '..'")
-    return path
 
 
 class LocalStore(Store):

@@ -10,9 +10,8 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
-from ..errors import AlreadyExistsError, ConfigError, NotFoundError
-from .base import ObjectInfo, Store
-from .local import check_path
+from vllm_deltasync.errors import AlreadyExistsError, ConfigError, NotFoundError
+from vllm_deltasync.stores.base import ObjectInfo, Store, check_path
 
 _BUCKETS: dict[str, dict[str, bytes]] = {}
 _LOCK = threading.Lock()

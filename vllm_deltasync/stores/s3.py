@@ -24,12 +24,11 @@ import contextlib
 from collections.abc import Sequence
 from typing import Any
 
-from ..errors import AlreadyExistsError, ConfigError, NotFoundError, StoreError
-from ._parts import Chunks, RangedReader, parse_content_range, range_header
-from ._retry import RetryPolicy, retry
-from ._s3errors import s3_error
-from .base import ObjectInfo, Store
-from .local import check_path
+from vllm_deltasync.errors import AlreadyExistsError, ConfigError, NotFoundError, StoreError
+from vllm_deltasync.stores._parts import Chunks, RangedReader, parse_content_range, range_header
+from vllm_deltasync.stores._retry import RetryPolicy, retry
+from vllm_deltasync.stores._s3errors import s3_error
+from vllm_deltasync.stores.base import ObjectInfo, Store, check_path
 
 
 def parse_s3_url(url: str) -> tuple[str, str]:

@@ -35,30 +35,16 @@ import asyncio
 import contextlib
 import logging
 import random
-import re
 import time
 from dataclasses import dataclass
 from typing import Any
 
-from .errors import ConfigError, RateLimitedError, StoreError, TransientStoreError
-from .stores._retry import RetryPolicy
-from .stores.base import Store
+from vllm_deltasync.errors import ConfigError, RateLimitedError, StoreError, TransientStoreError
+from vllm_deltasync.format.layout import MANIFEST_DIR, manifest_path, parse_manifest_path
+from vllm_deltasync.stores._retry import RetryPolicy
+from vllm_deltasync.stores.base import Store
 
 logger = logging.getLogger(__name__)
-
-_MANIFEST = re.compile(r"(?:^|/)manifests/(\d{12})\.json$")
-
-
-def manifest_name(step: int) -> str:
-    """``manifests/000000000042.json`` (the format's commit point of a step)."""
-    return f"manifests/{step:012d}.json"
-
-
-def step_of(path: str) -> int | None:
-    """The step a manifest path names, or None for any other path."""
-    found = _MANIFEST.search(path)
-    return int(found.group(1)) if found else None
-
 
 @dataclass
 class WatcherStats:
@@ -171,7 +157,7 @@ class StepWatcher:
                 if left <= 0:
                     return None
                 await asyncio.wait_for(self._round(after, deadline), left)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             return self.latest if self._newer(after) else None
 
     async def close(self) -> None:
@@ -228,10 +214,10 @@ class StepWatcher:
 
     async def _list(self) -> None:
         self.stats.listings += 1
-        infos = await self.store.list("manifests/")
+        infos = await self.store.list(f"{MANIFEST_DIR}/")
         self._listed_at = time.monotonic()
         self._pace("api")
-        steps = sorted(s for s in (step_of(i.path) for i in infos) if s is not None)
+        steps = sorted(s for s in (parse_manifest_path(i.path) for i in infos) if s is not None)
         for step in steps[-2:]:
             self._note(step)
 
@@ -249,7 +235,7 @@ class StepWatcher:
         while True:
             self.stats.probes += 1
             candidate = base + self.stride
-            if await self.store.stat(manifest_name(candidate)) is None:
+            if await self.store.stat(manifest_path(candidate)) is None:
                 return found
             self.stats.probe_hits += 1
             self._note(candidate)
@@ -330,7 +316,7 @@ class StepWatcher:
                     self._wake.set()
                 elif event.kind == "changes":
                     self.stats.events_received += 1
-                    for step in (step_of(p) for p in event.paths):
+                    for step in (parse_manifest_path(p) for p in event.paths):
                         if step is not None:
                             self._note(step)
         finally:
@@ -339,4 +325,4 @@ class StepWatcher:
         return cursor
 
 
-__all__ = ["QuotaPacer", "StepWatcher", "WatcherStats", "manifest_name", "step_of"]
+__all__ = ["QuotaPacer", "StepWatcher", "WatcherStats"]

@@ -53,11 +53,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ._shardprobe import Block, probe_model
-from .errors import ApplyError
+from vllm_deltasync.errors import ApplyError
+from vllm_deltasync.server.worker._shardprobe import Block, probe_model
 
 if TYPE_CHECKING:
-    from .codec import TensorPatch
+    from vllm_deltasync.format.codec import TensorPatch
 
 RECOMPUTED_BUFFER_SUFFIXES = (
     "rotary_emb.inv_freq",

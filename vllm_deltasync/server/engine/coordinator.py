@@ -16,9 +16,9 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from .config import SyncConfig
-from .manifest import SCHEMA_VERSION
-from .metrics import MetricsServer, SyncMetrics
+from vllm_deltasync.config import SyncConfig
+from vllm_deltasync.format.manifest import SCHEMA_VERSION
+from vllm_deltasync.server.metrics import MetricsServer, SyncMetrics
 
 logger = logging.getLogger(__name__)
 

@@ -39,8 +39,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from .codec import Codec, register_codec
-from .errors import ConfigError, FormatError
+from vllm_deltasync.errors import ConfigError, FormatError
+from vllm_deltasync.format.codec import Codec
 
 ZSTD_LEVEL = 3
 _FIELD_DTYPES = {8: torch.uint8, 16: torch.int16}
@@ -335,7 +335,5 @@ def _zstd_unpack(tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any]) -
     return out
 
 
-register_codec(SparseV2Codec())
-register_codec(SparseV2Codec(compression="zstd"))
 
 __all__ = ["ZSTD_LEVEL", "SparseV2Codec"]

@@ -1,6 +1,6 @@
 """In-place writes of translated patches into live parameters, and digests of what they hold.
 
-The pieces come from :meth:`vllm_deltasync.shardmap.ShardMap.translate`. :func:`prepare` moves
+The pieces come from :meth:`vllm_deltasync.server.worker.shardmap.ShardMap.translate`. :func:`prepare` moves
 them to each parameter's device (and into its dtype) ahead of time, so that
 :func:`apply_patches`, run at the switch, only scatters: ``index_copy_`` into
 ``param.data.view(-1)`` for sparse pieces, a strided ``copy_`` for dense ones. Both write into
@@ -32,8 +32,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .errors import ApplyError
-from .shardmap import Piece, ShardMap, Target
+from vllm_deltasync.errors import ApplyError
+from vllm_deltasync.server.worker.shardmap import Piece, ShardMap, Target
 
 
 def prepare(pieces: Iterable[Piece], *, non_blocking: bool = False) -> list[Piece]:

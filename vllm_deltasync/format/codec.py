@@ -7,26 +7,21 @@ under safetensors keys the manifest lists) plus a small JSON ``meta``, and back:
 * ``sparse-v1``: deltas, the TRL layout. Roles ``indices`` (int32 flat indices into the
   tensor, strictly increasing) and ``values`` (bf16 new absolute values).
 
-Further codecs register themselves with :func:`register_codec`; ``get_codec`` imports
-``vllm_deltasync.codec_v2`` on first sight of an unknown name, the way ``open_store`` imports
-store backends. Decoding yields :class:`TensorPatch` objects that ``apply.py`` writes into
-live parameters.
+``sparse-v2`` lives in :mod:`~vllm_deltasync.format.sparse_v2`; the closed table of codecs by
+name is :mod:`~vllm_deltasync.format.codecs`. Decoding yields :class:`TensorPatch` objects that
+``server/worker/apply.py`` writes into live parameters.
 """
 
 from __future__ import annotations
 
 import abc
-import importlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from .errors import FormatError
-from .manifest import Chunk, TensorEntry
-
-_LAZY_MODULES = ("vllm_deltasync.codec_v2",)
+from vllm_deltasync.errors import FormatError
 
 
 @dataclass
@@ -162,64 +157,7 @@ class SparseV1Codec(Codec):
         return indices, _flat(tensors, "values", torch.bfloat16, count), False
 
 
-_CODECS: dict[str, Codec] = {}
-
-
-def register_codec(codec: Codec) -> None:
-    """Make ``codec`` available under ``codec.name``."""
-    if not codec.name:
-        raise ValueError(f"{type(codec).__name__} has no name")
-    _CODECS[codec.name] = codec
-
-
-def get_codec(name: str) -> Codec:
-    """The codec registered as ``name``; :class:`FormatError` if none is."""
-    if name not in _CODECS:
-        for module in _LAZY_MODULES:
-            try:
-                importlib.import_module(module)
-            except ImportError:
-                continue
-    try:
-        return _CODECS[name]
-    except KeyError:
-        known = ", ".join(sorted(_CODECS))
-        raise FormatError(
-            f"encoding {name!r} is unknown to this version (known: {known}); upgrade vllm-deltasync"
-        ) from None
-
-
-def codec_names() -> list[str]:
-    return sorted(_CODECS)
-
-
-register_codec(DenseCodec())
-register_codec(SparseV1Codec())
-
-
-def decode_chunk(
-    entry: TensorEntry, chunk: Chunk, file_tensors: Mapping[str, torch.Tensor], *, source: str
-) -> TensorPatch:
-    """Decode one chunk of ``entry`` from the tensors of its data file; checks bounds."""
-    codec = get_codec(entry.encoding)
-    try:
-        roles = {role: file_tensors[key] for role, key in chunk.keys.items()}
-    except KeyError as exc:
-        raise FormatError(f"{source}: tensor {entry.name!r}: key {exc.args[0]!r} is missing") from None
-    try:
-        indices, values, relative = codec.decode(roles, chunk.meta, chunk.count)
-    except FormatError as exc:
-        raise FormatError(f"{source}: tensor {entry.name!r} ({entry.encoding}): {exc}") from exc
-    numel = entry.numel
-    if indices is None:
-        if chunk.stop > numel:
-            raise FormatError(f"{source}: tensor {entry.name!r}: range end {chunk.stop} > {numel}")
-        return TensorPatch(entry.name, entry.shape, None, values, chunk.start, relative)
-    _check_indices(indices, numel, entry.name, source)
-    return TensorPatch(entry.name, entry.shape, indices, values, 0, relative)
-
-
-def _check_indices(indices: torch.Tensor, numel: int, name: str, source: str) -> None:
+def check_indices(indices: torch.Tensor, numel: int, name: str, source: str) -> None:
     if indices.numel() == 0:
         return
     if int(indices[0]) < 0 or int(indices[-1]) >= numel:
@@ -228,13 +166,4 @@ def _check_indices(indices: torch.Tensor, numel: int, name: str, source: str) ->
         raise FormatError(f"{source}: tensor {name!r}: indices are not strictly increasing")
 
 
-__all__ = [
-    "Codec",
-    "DenseCodec",
-    "SparseV1Codec",
-    "TensorPatch",
-    "codec_names",
-    "decode_chunk",
-    "get_codec",
-    "register_codec",
-]
+__all__ = ["Codec", "DenseCodec", "SparseV1Codec", "TensorPatch", "check_indices"]

@@ -1,98 +1,26 @@
-"""The ``vllm-deltasync`` command line.
+"""Code for the commands of the bucket CLI (``inspect``, ``verify``, ``materialize``).
 
-Built-in verbs: ``inspect``, ``verify``, ``materialize``. More verbs plug in without editing
-this file: any module ``vllm_deltasync/cli_<verb>.py`` defining
-``add_parser(subparsers) -> None`` is picked up, and :func:`register_command` adds one from
-anywhere else. An ``add_parser`` creates its sub-parser and sets ``func`` to a callable
-``(argparse.Namespace) -> int`` (the exit status)::
-
-    def add_parser(subparsers):
-        p = subparsers.add_parser("status", help="...")
-        p.add_argument("url")
-        p.set_defaults(func=run_status)
-
-Errors of the :mod:`vllm_deltasync.errors` tree become one line on stderr and exit status 1.
+Each ``add_*`` builds its sub-parser and sets ``func`` to a callable
+``(argparse.Namespace) -> int`` (the exit status); :mod:`vllm_deltasync.cli` lists them.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import importlib
 import json
 import os
-import pkgutil
 import sys
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from . import __version__
-from .errors import DeltaSyncError
-from .manifest import Manifest
-from .reader import BucketReader
-
-# verb -> (module, function taking the subparsers action)
-_COMMANDS: dict[str, tuple[str, str]] = {
-    "inspect": (__name__, "_add_inspect"),
-    "verify": (__name__, "_add_verify"),
-    "materialize": (__name__, "_add_materialize"),
-    "import-trl": ("vllm_deltasync.trl_import", "add_parser"),
-}
-
-
-def register_command(verb: str, module: str, function: str = "add_parser") -> None:
-    """Add ``verb``: ``module.function(subparsers)`` builds its sub-parser (imported lazily)."""
-    _COMMANDS[verb] = (module, function)
-
-
-def _discover() -> None:
-    package = Path(__file__).parent
-    for info in pkgutil.iter_modules([str(package)]):
-        if info.name.startswith("cli_"):
-            verb = info.name[4:].replace("_", "-")
-            _COMMANDS.setdefault(verb, (f"vllm_deltasync.{info.name}", "add_parser"))
-
-
-def build_parser() -> argparse.ArgumentParser:
-    """The full parser with every registered verb."""
-    parser = argparse.ArgumentParser(
-        prog="vllm-deltasync", description="Inspect, verify and materialize vllm-deltasync buckets."
-    )
-    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
-    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
-    _discover()
-    for verb, (module_name, function) in sorted(_COMMANDS.items()):
-        try:
-            module = importlib.import_module(module_name)
-        except ImportError as exc:
-            subparsers.add_parser(verb, help=f"(unavailable: {exc})")
-            continue
-        getattr(module, function)(subparsers)
-    return parser
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    func = getattr(args, "func", None)
-    if func is None:
-        parser.print_help(sys.stderr)
-        return 2
-    try:
-        return int(func(args) or 0)
-    except DeltaSyncError as exc:
-        print(f"vllm-deltasync {args.command}: {exc}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        return 130
-    except BrokenPipeError:  # `vllm-deltasync inspect URL | head`: the reader left
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 0
+from vllm_deltasync.errors import DeltaSyncError
+from vllm_deltasync.format.manifest import Manifest
+from vllm_deltasync.format.reader import BucketReader
 
 
 # ---------------------------------------------------------------------------- inspect
-def _add_inspect(subparsers: Any) -> None:
+def add_inspect(subparsers: Any) -> None:
     p = subparsers.add_parser("inspect", help="steps, kinds, bytes, sparsity and chains of a bucket")
     p.add_argument("url", help="bucket URL (file://, memory://, hf://, s3://)")
     p.add_argument("--json", action="store_true", help="print one JSON document")
@@ -169,7 +97,7 @@ def _human(n: float) -> str:
 
 
 # ---------------------------------------------------------------------------- verify
-def _add_verify(subparsers: Any) -> None:
+def add_verify(subparsers: Any) -> None:
     p = subparsers.add_parser(
         "verify", help="check every manifest, file (size, sha256), chain and fingerprint"
     )
@@ -193,7 +121,7 @@ def _run_verify(args: argparse.Namespace) -> int:
 
 
 # ---------------------------------------------------------------------------- materialize
-def _add_materialize(subparsers: Any) -> None:
+def add_materialize(subparsers: Any) -> None:
     p = subparsers.add_parser(
         "materialize", help="write the full bf16 checkpoint of one step (model.safetensors)"
     )
@@ -233,5 +161,4 @@ def _run_materialize(args: argparse.Namespace) -> int:
     return 0
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+__all__ = ["add_inspect", "add_materialize", "add_verify"]

@@ -21,7 +21,7 @@ from typing import Any, Literal
 
 import torch
 
-from .errors import ConfigError
+from vllm_deltasync.errors import ConfigError
 
 Family = Literal["llama", "qwen2"]
 

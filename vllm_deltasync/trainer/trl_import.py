@@ -8,14 +8,13 @@ TRL's layout (PRs #5417/#5932, never released) has no manifest::
 with header metadata ``format="sparse_weight_patch"``, ``version="1"`` and informative fields
 (``sparse``, ``model_version``, ``sparsity``, ``changed_params``). Each delta applies on the
 state of the file before it. :class:`TrlImporter` replays the files in step order from the
-newest usable anchor and hands each full state to a :class:`~vllm_deltasync.publisher.DeltaPublisher`,
+newest usable anchor and hands each full state to a :class:`~vllm_deltasync.trainer.publisher.DeltaPublisher`,
 which diffs it and writes manifests, checksums and chains (and any codec, e.g. ``sparse-v2``).
 A TRL user keeps the trainer as it is and runs ``vllm-deltasync import-trl SRC DST --follow``.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import re
 import struct
@@ -26,11 +25,11 @@ from typing import Literal
 import torch
 from safetensors.torch import load as load_safetensors
 
-from ._bridge import default_loop
-from .errors import ChainError, FormatError
-from .publisher import DeltaPublisher
-from .stores import open_store
-from .stores.base import Store
+from vllm_deltasync._loop import default_loop
+from vllm_deltasync.errors import ChainError, FormatError
+from vllm_deltasync.stores import open_store
+from vllm_deltasync.stores.base import Store
+from vllm_deltasync.trainer.publisher import DeltaPublisher
 
 TRL_FORMAT = "sparse_weight_patch"
 _NAME = re.compile(r"^(anchors|deltas)/step_(\d+)\.safetensors$")
@@ -159,37 +158,10 @@ class TrlImporter:
             stop.wait(poll_interval_s)
 
 
-def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    """The ``import-trl SRC DST`` verb."""
-    p = subparsers.add_parser("import-trl", help="convert (or --follow) a TRL delta-sync bucket")
-    p.add_argument("src", help="URL of the TRL bucket (anchors/, deltas/)")
-    p.add_argument("dst", help="URL of the vllm-deltasync bucket to write")
-    p.add_argument("--codec", default="sparse-v2", help="delta encoding (default sparse-v2)")
-    p.add_argument("--anchor-every", type=int, default=10)
-    p.add_argument("--follow", action="store_true", help="keep importing new steps")
-    p.add_argument("--poll-interval-s", type=float, default=5.0)
-    p.set_defaults(func=run)
-
-
-def run(args: argparse.Namespace) -> int:
-    """Run ``import-trl``; exit status 0. Errors of the tree propagate to the CLI."""
-    with DeltaPublisher(args.dst, codec=args.codec, anchor_every=args.anchor_every) as publisher:
-        importer = TrlImporter(args.src, publisher)
-        if args.follow:
-            try:
-                importer.follow(args.poll_interval_s, threading.Event())
-            except KeyboardInterrupt:
-                return 0
-        steps = importer.import_new()
-        print(f"imported {len(steps)} steps" + (f" ({steps[0]}..{steps[-1]})" if steps else ""))
-    return 0
-
-
 __all__ = [
     "TRL_FORMAT",
     "TrlFile",
     "TrlImporter",
-    "add_parser",
     "apply_trl_delta",
     "parse_trl_path",
     "plan_replay",

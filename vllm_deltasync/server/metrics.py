@@ -69,6 +69,7 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
 
+from vllm_deltasync._urls import redact_url
 from vllm_deltasync.errors import ConfigError
 
 PREFIX = "deltasync"
@@ -129,15 +130,6 @@ _HISTOGRAMS: tuple[tuple[str, str, str, tuple[str, ...], tuple[float, ...]], ...
     ("pause_duration", "pause_duration_seconds",
      "Engine pause for one switch (every rank applies, prefix cache reset).", (), _APPLY_BUCKETS),
 )
-
-
-def redact_url(url: str) -> str:
-    """``url`` without user, password, query or fragment (safe for a label or a log line)."""
-    parts = urllib.parse.urlsplit(url)
-    host = parts.hostname or ""
-    if parts.port is not None:
-        host = f"{host}:{parts.port}"
-    return urllib.parse.urlunsplit((parts.scheme, host, parts.path, "", ""))
 
 
 def error_reason(error: BaseException | str | None) -> str:

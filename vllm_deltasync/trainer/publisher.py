@@ -31,12 +31,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from ._bridge import BackgroundLoop, default_loop
-from .codec import get_codec
-from .errors import ConfigError, FormatError, PublishError
-from .manifest import Kind, Manifest, fingerprint, parse_manifest_path
-from .stores import Store, open_store
-from .writer import StepItem, retain, write_step
+from vllm_deltasync._loop import BackgroundLoop, default_loop
+from vllm_deltasync.errors import ConfigError, FormatError, PublishError
+from vllm_deltasync.format.codecs import get_codec
+from vllm_deltasync.format.layout import MANIFEST_DIR, parse_manifest_path
+from vllm_deltasync.format.manifest import Kind, Manifest, fingerprint
+from vllm_deltasync.format.writer import StepItem, retain, write_step
+from vllm_deltasync.stores import Store, open_store
 
 log = logging.getLogger(__name__)
 
@@ -292,7 +293,7 @@ class DeltaPublisher:
         return self._loop.run(coro, self.timeout_s)
 
     async def _newest_step(self) -> int | None:
-        steps = [parse_manifest_path(o.path) for o in await self._store.list("manifests/")]
+        steps = [parse_manifest_path(o.path) for o in await self._store.list(f"{MANIFEST_DIR}/")]
         found = [s for s in steps if s is not None]
         return max(found) if found else None
 

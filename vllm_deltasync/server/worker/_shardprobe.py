@@ -1,4 +1,4 @@
-"""The probe behind :meth:`vllm_deltasync.shardmap.ShardMap.from_model` (see that module's doc).
+"""The probe behind :meth:`vllm_deltasync.server.worker.shardmap.ShardMap.from_model` (see that module's doc).
 
 Runs the model's own ``load_weights`` with a meta-device probe per checkpoint name under a
 ``TorchDispatchMode`` that records each ``copy_`` from a probe view into a parameter as an
@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .errors import ApplyError
+from vllm_deltasync.errors import ApplyError
 
 _ATEN = torch.ops.aten
 _COPY_OPS = (_ATEN.clone.default, _ATEN._to_copy.default)

@@ -16,9 +16,9 @@ from typing import Any
 
 import torch
 
-from .apply import sha256_hex
-from .config import SyncConfig
-from .errors import ApplyError, ChainError
+from vllm_deltasync.config import SyncConfig
+from vllm_deltasync.errors import ApplyError, ChainError
+from vllm_deltasync.server.worker.apply import sha256_hex
 
 FAILPOINT_ENV = "DELTASYNC_TEST_FAIL_APPLY"
 """Test-only failpoint, ``"<rank>:<step>:<pieces>"``: that rank's apply of that step raises
@@ -51,10 +51,10 @@ class RankState:
     """Everything one rank keeps: config, shard map, poller, counters, the step trace."""
 
     def __init__(self, worker: Any, config: SyncConfig) -> None:
-        from .manifest import fingerprint
-        from .metrics import WorkerStats
-        from .poller import Poller
-        from .shardmap import ShardMap
+        from vllm_deltasync.format.manifest import fingerprint
+        from vllm_deltasync.server.metrics import WorkerStats
+        from vllm_deltasync.server.worker.poller import Poller
+        from vllm_deltasync.server.worker.shardmap import ShardMap
 
         self.config = config
         self.rank = int(getattr(worker, "rank", 0))
@@ -86,8 +86,8 @@ class RankState:
 
     def prepare(self, manifest: Any, patches: list[Any]) -> tuple[Any, int]:
         """Poller thread: translate to this rank's shards and move to the device."""
-        from .apply import prepare
-        from .shardmap import translate_all
+        from vllm_deltasync.server.worker.apply import prepare
+        from vllm_deltasync.server.worker.shardmap import translate_all
 
         pieces = prepare(translate_all(self.shardmap, patches))
         if pieces and pieces[0].param.device.type == "cuda":
@@ -103,12 +103,12 @@ class RankState:
         """Main thread, between model steps: write every staged step up to ``step``.
 
         All or nothing on this rank: if anything fails, what was written is put back (see
-        :class:`~vllm_deltasync.apply.Undo`) and :class:`ApplyFailed` says whether that
+        :class:`~vllm_deltasync.server.worker.apply.Undo`) and :class:`ApplyFailed` says whether that
         worked. After a success the undo is kept until :meth:`settle` (the engine's next status
         poll), so the engine can take the switch back with :meth:`revert` when another rank
         failed.
         """
-        from .apply import Undo, apply_patches
+        from vllm_deltasync.server.worker.apply import Undo, apply_patches
 
         self._undo, self._failed = None, None
         self._check_params_unchanged()
@@ -201,7 +201,7 @@ class RankState:
         """vLLM's reload_weights may replace parameters: then re-derive the map, go to an anchor."""
         if _param_ids(self.model) == self.param_ids:
             return
-        from .shardmap import ShardMap
+        from vllm_deltasync.server.worker.shardmap import ShardMap
 
         self.shardmap = ShardMap.from_model(self.model, self.checkpoint)
         self.param_ids = _param_ids(self.model)

@@ -24,14 +24,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ._bridge import BackgroundLoop
-from .codec import TensorPatch
-from .config import SyncConfig
-from .discovery import StepWatcher
-from .errors import DeltaSyncError, FingerprintError, IntegrityError
-from .manifest import Manifest
-from .metrics import WorkerStats, error_reason
-from .reader import BucketReader
+from vllm_deltasync._loop import BackgroundLoop
+from vllm_deltasync.config import SyncConfig
+from vllm_deltasync.errors import DeltaSyncError, FingerprintError, IntegrityError
+from vllm_deltasync.format.codec import TensorPatch
+from vllm_deltasync.format.manifest import Manifest
+from vllm_deltasync.format.reader import BucketReader
+from vllm_deltasync.server.metrics import WorkerStats, error_reason
+from vllm_deltasync.server.worker.discovery import StepWatcher
 
 logger = logging.getLogger(__name__)
 

@@ -19,56 +19,13 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from .errors import FormatError
-
-FORMAT_NAME = "vllm-deltasync"
-SCHEMA_VERSION = 1
-STEP_DIGITS = 12
-MANIFEST_DIR = "manifests"
-DATA_DIR = "data"
-
-_MANIFEST_RE = re.compile(r"^manifests/(\d{12})\.json$")
-_DATA_RE = re.compile(r"^data/(\d{12})-([0-9a-f]+)/")
-_MAX_STEP = 10**STEP_DIGITS - 1
+from vllm_deltasync.errors import FormatError
+from vllm_deltasync.format.layout import manifest_path
 
 Kind = Literal["anchor", "delta"]
 
-
-def _check_step(step: int) -> None:
-    if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step <= _MAX_STEP:
-        raise FormatError(f"step {step!r} is not an integer in [0, {_MAX_STEP}]")
-
-
-def manifest_path(step: int) -> str:
-    """``42`` -> ``"manifests/000000000042.json"``."""
-    _check_step(step)
-    return f"{MANIFEST_DIR}/{step:0{STEP_DIGITS}d}.json"
-
-
-def parse_manifest_path(path: str) -> int | None:
-    """The step of a manifest path, or None if ``path`` is not one."""
-    match = _MANIFEST_RE.match(path)
-    return int(match.group(1)) if match else None
-
-
-def data_dir(step: int, token: str) -> str:
-    """``(42, "9f3a")`` -> ``"data/000000000042-9f3a"``: the folder of one publish attempt."""
-    _check_step(step)
-    if not re.fullmatch(r"[0-9a-f]+", token):
-        raise FormatError(f"data token {token!r} must be lowercase hex")
-    return f"{DATA_DIR}/{step:0{STEP_DIGITS}d}-{token}"
-
-
-def data_path(step: int, token: str, index: int) -> str:
-    """Path of the ``index``-th data file of one publish attempt."""
-    return f"{data_dir(step, token)}/{index:05d}.safetensors"
-
-
-def parse_data_path(path: str) -> tuple[int, str] | None:
-    """``(step, token)`` of a path under ``data/``, or None if it is not one."""
-    match = _DATA_RE.match(path)
-    return (int(match.group(1)), match.group(2)) if match else None
-
+FORMAT_NAME = "vllm-deltasync"
+SCHEMA_VERSION = 1
 
 def fingerprint(params: Iterable[tuple[str, Sequence[int], str]]) -> str:
     """``"sha256:<hex>"`` of the parameter set: sorted ``[name, shape, dtype]`` as compact JSON."""
@@ -339,9 +296,7 @@ def _chunk_from_dict(doc: Mapping[str, Any], name: str, n_files: int) -> Chunk:
 
 
 __all__ = [
-    "DATA_DIR",
     "FORMAT_NAME",
-    "MANIFEST_DIR",
     "SCHEMA_VERSION",
     "Chunk",
     "FileEntry",
@@ -349,10 +304,5 @@ __all__ = [
     "Manifest",
     "TensorEntry",
     "Totals",
-    "data_dir",
-    "data_path",
     "fingerprint",
-    "manifest_path",
-    "parse_data_path",
-    "parse_manifest_path",
 ]

@@ -6,7 +6,7 @@ How it starts by itself
 -----------------------
 vLLM never calls a worker extension's ``__init__`` and nothing calls its methods unless someone
 sends ``collective_rpc``. The way in is the ``vllm.general_plugins`` entry point
-(``deltasync = vllm_deltasync.extension:register_plugin``), which vLLM runs in *every* process
+(``deltasync = vllm_deltasync.server.extension:register_plugin``), which vLLM runs in *every* process
 it starts (API server, engine core, workers) before building anything. :func:`register_plugin`
 does two things, both idempotent and inert unless ``--worker-extension-cls`` names
 :class:`DeltaSyncExtension` (or a subclass):
@@ -40,10 +40,10 @@ from typing import Any
 
 import torch
 
-from ._coordinator import Coordinator
-from .config import SyncConfig, is_configured
-from .errors import ApplyError, DeltaSyncError
-from .rank import (
+from vllm_deltasync.config import SyncConfig, is_configured
+from vllm_deltasync.errors import ApplyError, DeltaSyncError
+from vllm_deltasync.server.engine.coordinator import Coordinator
+from vllm_deltasync.server.worker.rank import (
     RankState,
     checkpoint_params,
     digest_names,
@@ -109,7 +109,7 @@ class DeltaSyncExtension:
     def deltasync_apply(self, step: int) -> dict[str, Any]:
         """Apply every staged step up to ``step`` in place. Returns what was done, or the error
         and whether this rank put its weights back (``reverted``)."""
-        from .rank import ApplyFailed
+        from vllm_deltasync.server.worker.rank import ApplyFailed
 
         state = self._deltasync_state()
         try:
@@ -141,7 +141,7 @@ class DeltaSyncExtension:
 
     def deltasync_weight_digests(self, names: Iterable[str] | None = None) -> dict[str, str]:
         """sha256 of the live elements of each checkpoint tensor held by this rank."""
-        from .apply import tensor_digest
+        from vllm_deltasync.server.worker.apply import tensor_digest
 
         state = self._deltasync_state()
         return {n: tensor_digest(state.shardmap, n) for n in digest_names(state, names)}
@@ -152,7 +152,7 @@ class DeltaSyncExtension:
         directory of ``*.safetensors`` or one file)."""
         from safetensors.torch import load_file
 
-        from .apply import checkpoint_digest
+        from vllm_deltasync.server.worker.apply import checkpoint_digest
 
         state = self._deltasync_state()
         tensors: dict[str, torch.Tensor] = {}

@@ -17,10 +17,18 @@ from dataclasses import dataclass
 import torch
 from safetensors.torch import save as save_safetensors
 
-from ._bridge import BackgroundLoop
-from .codec import Codec, get_codec
-from .errors import FormatError
-from .manifest import (
+from vllm_deltasync._loop import BackgroundLoop
+from vllm_deltasync.errors import FormatError
+from vllm_deltasync.format.codec import Codec
+from vllm_deltasync.format.codecs import get_codec
+from vllm_deltasync.format.layout import (
+    data_dir,
+    data_path,
+    manifest_path,
+    parse_data_path,
+    parse_manifest_path,
+)
+from vllm_deltasync.format.manifest import (
     FORMAT_NAME,
     SCHEMA_VERSION,
     Chunk,
@@ -29,13 +37,8 @@ from .manifest import (
     Manifest,
     TensorEntry,
     Totals,
-    data_dir,
-    data_path,
-    manifest_path,
-    parse_data_path,
-    parse_manifest_path,
 )
-from .stores import Store
+from vllm_deltasync.stores import Store
 
 MAX_WRITES_IN_FLIGHT = 4
 

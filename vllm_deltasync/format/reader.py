@@ -16,10 +16,18 @@ from typing import Any
 import torch
 from safetensors.torch import load as load_safetensors
 
-from .codec import TensorPatch, decode_chunk
-from .errors import ChainError, FingerprintError, FormatError, IntegrityError, NotFoundError
-from .manifest import Chunk, FileEntry, Manifest, TensorEntry, manifest_path, parse_manifest_path
-from .stores import Store, open_store
+from vllm_deltasync.errors import (
+    ChainError,
+    FingerprintError,
+    FormatError,
+    IntegrityError,
+    NotFoundError,
+)
+from vllm_deltasync.format.codec import TensorPatch
+from vllm_deltasync.format.codecs import decode_chunk
+from vllm_deltasync.format.layout import MANIFEST_DIR, manifest_path, parse_manifest_path
+from vllm_deltasync.format.manifest import Chunk, FileEntry, Manifest, TensorEntry
+from vllm_deltasync.stores import Store, open_store
 
 _MANIFEST_CACHE = 256
 _HASH_IN_THREAD_BYTES = 1 << 20
@@ -77,7 +85,7 @@ class BucketReader:
     # ------------------------------------------------------------------ discovery
     async def list_steps(self, after: int | None = None) -> list[int]:
         """Committed steps, ascending (only those after ``after`` if given)."""
-        steps = [parse_manifest_path(o.path) for o in await self.store.list("manifests/")]
+        steps = [parse_manifest_path(o.path) for o in await self.store.list(f"{MANIFEST_DIR}/")]
         return sorted(s for s in steps if s is not None and (after is None or s > after))
 
     async def latest_step(self) -> int | None:

@@ -1,0 +1,80 @@
+"""The ``vllm-deltasync`` command line: one table of verbs, each built by one function.
+
+==============  ==========================================  =======================================
+verb            what                                        built by
+==============  ==========================================  =======================================
+inspect         steps, kinds, bytes, sparsity, chains       :func:`vllm_deltasync.cli.bucket.add_inspect`
+verify          every step's files and chains, no writes    :func:`vllm_deltasync.cli.bucket.add_verify`
+materialize     full weights of a step as safetensors       :func:`vllm_deltasync.cli.bucket.add_materialize`
+status          a fleet's sync state from ``/metrics``      :func:`vllm_deltasync.cli.status.add_parser`
+import-trl      convert (or follow) a TRL delta-sync bucket :func:`vllm_deltasync.cli.trl.add_parser`
+==============  ==========================================  =======================================
+
+A builder creates its sub-parser and sets ``func`` to ``(argparse.Namespace) -> int`` (the
+exit status). Errors of the :mod:`vllm_deltasync.errors` tree become one line on stderr and
+exit status 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+from collections.abc import Sequence
+
+from vllm_deltasync import __version__
+from vllm_deltasync.errors import DeltaSyncError
+
+VERBS: dict[str, tuple[str, str]] = {
+    "inspect": ("vllm_deltasync.cli.bucket", "add_inspect"),
+    "verify": ("vllm_deltasync.cli.bucket", "add_verify"),
+    "materialize": ("vllm_deltasync.cli.bucket", "add_materialize"),
+    "status": ("vllm_deltasync.cli.status", "add_parser"),
+    "import-trl": ("vllm_deltasync.cli.trl", "add_parser"),
+}
+"""verb -> (module, function that adds its sub-parser); modules are imported when the parser is
+built, so a verb whose optional dependency is missing shows as unavailable instead of failing."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The full parser with every verb."""
+    parser = argparse.ArgumentParser(
+        prog="vllm-deltasync", description="Inspect, verify and materialize vllm-deltasync buckets."
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for verb, (module_name, function) in VERBS.items():
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError as exc:
+            subparsers.add_parser(verb, help=f"(unavailable: {exc})")
+            continue
+        getattr(module, function)(subparsers)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    func = getattr(args, "func", None)
+    if func is None:
+        parser.print_help(sys.stderr)
+        return 2
+    try:
+        return int(func(args) or 0)
+    except DeltaSyncError as exc:
+        print(f"vllm-deltasync {args.command}: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:  # `vllm-deltasync inspect URL | head`: the reader left
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+
+
+__all__ = ["VERBS", "build_parser", "main"]
