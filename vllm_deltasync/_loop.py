@@ -17,22 +17,38 @@ T = TypeVar("T")
 
 
 class BackgroundLoop:
-    """An event loop running on its own daemon thread, started on first use."""
+    """An event loop running on its own daemon thread, started on first use.
+
+    Once closed (:meth:`close`) it stays closed: using it again raises instead of starting a new
+    thread behind the owner's back (a closed poller must not come back to life)."""
 
     def __init__(self, name: str = "vllm-deltasync-io") -> None:
         self._name = name
         self._lock = threading.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
+        self._closed = False
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
 
     @property
     def loop(self) -> asyncio.AbstractEventLoop:
-        """The running loop (started now if needed)."""
+        """The running loop (started now if needed); RuntimeError once closed."""
         with self._lock:
-            if self._loop is None or self._loop.is_closed():
+            if self._closed:
+                raise RuntimeError(f"background loop {self._name!r} is closed")
+            if self._loop is None:
                 self._start()
             assert self._loop is not None
             return self._loop
+
+    def running_loop(self) -> asyncio.AbstractEventLoop | None:
+        """The loop if it is running now, else None (never starts one)."""
+        with self._lock:
+            loop = self._loop
+            return None if self._closed or loop is None or loop.is_closed() else loop
 
     def _start(self) -> None:
         loop = asyncio.new_event_loop()
@@ -65,10 +81,11 @@ class BackgroundLoop:
             raise TimeoutError(f"operation did not finish within {timeout} s") from None
 
     def close(self) -> None:
-        """Stop the loop and join its thread. Pending tasks are cancelled."""
+        """Stop the loop and join its thread for good. Pending tasks are cancelled."""
         with self._lock:
             loop, thread = self._loop, self._thread
             self._loop = self._thread = None
+            self._closed = True
         if loop is None or thread is None:
             return
 

@@ -183,6 +183,16 @@ def wait_applied(llm: Any, step: int, timeout_s: float = 60.0) -> list[dict[str,
         time.sleep(0.1)
 
 
+def wait_ready(llm: Any, step: int, timeout_s: float = 60.0) -> None:
+    """Wait until every rank reports ``step`` staged and ready to apply."""
+    deadline = time.monotonic() + timeout_s
+    while not all(step in ready for ready in llm.collective_rpc("deltasync_ready")):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"step {step} not staged after {timeout_s}s: "
+                                 f"{llm.collective_rpc('deltasync_status')}")
+        time.sleep(0.05)
+
+
 def long_prompts(n: int = 3, words: int = 160, seed: int = 0) -> list[str]:
     """Prompts longer than one 128-token KV block, so prefix-cache blocks fill."""
     import random

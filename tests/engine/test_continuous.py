@@ -1,29 +1,40 @@
 """Generation never stops while steps arrive, and no model step ever mixes versions.
 
-A TP=2 engine generates batch after batch while a trainer thread publishes steps. Each rank
-records, for every model step it runs, the applied version at the start and at the end of the
-step (``deltasync_trace``). Ranks run the same sequence of model steps, so the records must
-agree position by position across ranks, and start and end must be equal within each step.
+A TP=2 engine generates batch after batch while a trainer publishes steps. Each rank records,
+for every model step it runs, the applied version at the start and at the end of the step
+(``deltasync_trace``). Ranks run the same sequence of model steps, so the records must agree
+position by position across ranks, and start and end must be equal within each step.
 
-Both ways of treating requests in flight at a switch run: ``continue`` (the default: running
+Switches are placed deterministically, not by timing: with the test-only
+``DELTASYNC_TEST_SWITCH_EVERY_STEPS`` the coordinator starts a switch only from a tick the engine
+runs after every few model steps, so each step staged before a batch is switched to inside that
+batch. Both ways of treating requests in flight run: ``continue`` (the default: running
 requests go on with the new weights, so some request spans two versions) and ``drain`` (the
 switch waits until running requests finish and holds new ones, so no request spans two).
 """
 
 from __future__ import annotations
 
-import threading
-import time
 from pathlib import Path
 
 import pytest
 
 from examples.toymodel import build_model
 from vllm_deltasync import DeltaPublisher
+from vllm_deltasync.server.engine.coordinator import SWITCH_EVERY_STEPS_ENV
 
-from .conftest import Trainer, close_llm, engine_env, make_llm, requires_vllm, wait_applied
+from .conftest import (
+    Trainer,
+    close_llm,
+    engine_env,
+    make_llm,
+    requires_vllm,
+    wait_applied,
+    wait_ready,
+)
 
-STEPS = 8
+STEPS = 4
+EVERY = 6  # model steps between switch ticks: a batch of 24 tokens runs 24 model steps
 
 
 @requires_vllm
@@ -38,33 +49,23 @@ def test_no_model_step_mixes_versions_across_or_within_ranks(tmp_path: Path, in_
     url = f"file://{tmp_path}/bucket"
     params = SamplingParams(temperature=0.8, max_tokens=24, seed=1, ignore_eos=True)
     prompts = [f"rollout {i} the policy reward" for i in range(6)]
-    with DeltaPublisher(url, anchor_every=4) as pub, engine_env(
-        tmp_path, tp, url=url, poll_interval_s=0.05, metrics_port=0, in_flight=in_flight
+    with DeltaPublisher(url, anchor_every=3) as pub, engine_env(
+        tmp_path, tp, {SWITCH_EVERY_STEPS_ENV: str(EVERY)}, url=url, poll_interval_s=0.05,
+        metrics_port=0, in_flight=in_flight,
     ):
         pub.publish(0, trainer.named_tensors())
         pub.flush()
         llm = make_llm(model_dir, tp, extension=True)
         try:
-            wait_applied(llm, 0)
-            done, generating = threading.Event(), threading.Event()
-
-            def train() -> None:
-                generating.wait(timeout=120)
-                for step in range(1, STEPS + 1):
-                    time.sleep(0.4)  # a step every ~0.5 s while batches keep running
+            outputs = []
+            for step in range(STEPS + 1):
+                if step:
                     trainer.step()
                     pub.publish(step, trainer.named_tensors())
                     pub.flush()
-                done.set()
-
-            thread = threading.Thread(target=train)
-            thread.start()
-            outputs = []
-            while not done.is_set() or len(outputs) < 2:
+                wait_ready(llm, step)  # staged on every rank, not yet switched to
                 outputs.extend(llm.generate(prompts, params, use_tqdm=False))
-                generating.set()
-            thread.join()
-            wait_applied(llm, STEPS)
+                wait_applied(llm, step)  # the switch happened inside that batch
             outputs.extend(llm.generate(prompts, params, use_tqdm=False))
             traces = llm.collective_rpc("deltasync_trace")
         finally:
@@ -76,10 +77,10 @@ def test_no_model_step_mixes_versions_across_or_within_ranks(tmp_path: Path, in_
     assert all(start == end for _, start, end, _ in first), "a version changed during a step"
     versions_with_tokens = [start for _, start, _, tokens in first if tokens > 0]
     assert versions_with_tokens == sorted(versions_with_tokens)  # never goes back
-    assert len(set(versions_with_tokens)) >= 3, "too few switches happened while generating"
+    assert sorted(set(versions_with_tokens)) == [-1, *range(STEPS + 1)], "a switch was missed"
     assert versions_with_tokens[-1] == STEPS
     crossed = [o for o in outputs if len({s.version for s in o.outputs[0].weight_versions}) > 1]
-    if in_flight == "continue":
-        assert crossed, "no request crossed a switch"
+    if in_flight == "continue":  # every switch landed inside running requests
+        assert len(crossed) >= STEPS + 1, "a switch did not land inside the batch"
     else:
         assert not crossed, "drain: a request ran on two versions"

@@ -10,11 +10,21 @@ all of it. Then:
   logprobs as before the failed switch (the prefix cache it kept is still valid);
 * a delta chained on the failed step is never applied; the next anchor is, and deltas chain
   from it again.
+
+Then the engine core itself fails a switch (``DELTASYNC_TEST_FAIL_SWITCH``: after every rank
+applied step 7, before the prefix-cache reset), and the next ticks fail too. The switch is taken
+back on every rank (digests equal step 6, weight version "6", outputs as before), the failures
+are counted in ``deltasync_coordinator_failures_total``, ``/synced`` answers 503 naming the
+coordinator while the ticks keep failing, and the engine recovers through the next anchor.
 """
 
 from __future__ import annotations
 
+import json
+import socket
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +32,7 @@ import pytest
 
 from examples.toymodel import build_model
 from vllm_deltasync import DeltaPublisher
+from vllm_deltasync.server.engine.coordinator import FAIL_SWITCH_ENV
 from vllm_deltasync.server.worker.rank import FAILPOINT_ENV
 
 from .conftest import (
@@ -43,6 +54,20 @@ def _digests_equal_checkpoint(llm: Any, ckpt: Path) -> bool:
     return bool(live) and live == want
 
 
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _get(url: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
 @requires_vllm
 @pytest.mark.engine
 def test_failed_switch_is_taken_back_and_the_engine_keeps_serving(tmp_path: Path) -> None:
@@ -51,8 +76,11 @@ def test_failed_switch_is_taken_back_and_the_engine_keeps_serving(tmp_path: Path
     trainer = Trainer(model_dir, lr=1e-5, seed=21)
     url = f"file://{tmp_path}/bucket"
     prompts = long_prompts(2, seed=21)
+    port = _free_port()
+    base = f"http://127.0.0.1:{port}"
     with DeltaPublisher(url, anchor_every=5) as pub, engine_env(
-        tmp_path, tp, {FAILPOINT_ENV: "1:3:2"}, url=url, poll_interval_s=0.2, metrics_port=0
+        tmp_path, tp, {FAILPOINT_ENV: "1:3:2", FAIL_SWITCH_ENV: "7:10"}, url=url,
+        poll_interval_s=0.2, metrics_port=port, metrics_host="127.0.0.1",
     ):
 
         def publish(step: int) -> None:
@@ -96,10 +124,40 @@ def test_failed_switch_is_taken_back_and_the_engine_keeps_serving(tmp_path: Path
             publish(6)  # deltas chain from the anchor again
             statuses = wait_applied(llm, 6)
             assert all(s["last_error"] is None for s in statuses), statuses
-            assert _digests_equal_checkpoint(llm, trainer.save(tmp_path / "ckpt-6"))
+            ckpt6 = trainer.save(tmp_path / "ckpt-6")
+            assert _digests_equal_checkpoint(llm, ckpt6)
+            before = generate(llm, prompts)
+            assert _get(f"{base}/synced")[0] == 200
+
+            publish(7)  # the engine core fails it after both ranks applied it
+            deadline, seen_failing = time.monotonic() + 60, False
+            while not seen_failing:
+                assert time.monotonic() < deadline, engine_status(llm)
+                code, body = _get(f"{base}/synced")
+                seen_failing = code == 503 and json.loads(body)["coordinator"]["failing"]
+                time.sleep(0.05)
+            assert FAIL_SWITCH_ENV in json.loads(body)["coordinator"]["last_error"]
+            status = engine_status(llm)
+            assert status["weight_version"] == "6", status
+            assert [r["applied_step"] for r in status["ranks"]] == [6, 6], status
+            assert _digests_equal_checkpoint(llm, ckpt6), "the switch was not taken back"
+            metrics = _get(f"{base}/metrics")[1]
+            failures = [line for line in metrics.splitlines()
+                        if line.startswith("deltasync_coordinator_failures_total{")]
+            assert failures and float(failures[0].split()[-1]) >= 3, failures
+            again = generate(llm, prompts)
+            assert [o["tokens"] for o in again] == [o["tokens"] for o in before]
+            assert [o["prompt_logprobs"] for o in again] == [o["prompt_logprobs"] for o in before]
+            assert all(o["weight_versions"][-1].version == "6" for o in again)
+            for step in (8, 9, 10):  # 8, 9 chain through the failed 7; 10 is the anchor
+                publish(step)
+            wait_applied(llm, 10)
+            assert _digests_equal_checkpoint(llm, trainer.save(tmp_path / "ckpt-10"))
+            code, body = _get(f"{base}/synced")
+            assert code == 200 and not json.loads(body)["coordinator"]["failing"], body
             final = engine_status(llm)
         finally:
             close_llm(llm)
     switched = [s["step"] for s in final["switches"]]
-    assert 3 not in switched and 4 not in switched and switched[-2:] == [5, 6], switched
-    assert final["weight_version"] == "6"
+    assert not {3, 4, 7, 8, 9} & set(switched) and switched[-3:] == [5, 6, 10], switched
+    assert final["weight_version"] == "10" and final["failed_ticks"] == 0

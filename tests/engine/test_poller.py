@@ -54,18 +54,18 @@ def test_poller_stages_chain_and_applier_reaches_every_step_bit_exact(tmp_path: 
                 pub.publish(step, trainer.items())
                 pub.flush()
                 _wait(lambda s=step: s in poller.ready_steps())
-                for staged in poller.take(step):
+                for staged in poller.state.take(step):
                     if staged.manifest.kind == "delta":
-                        assert staged.manifest.base_step == poller.applied_step
+                        assert staged.manifest.base_step == poller.state.applied_step
                     for p in staged.payload:
                         p.apply_to(live[p.name].view(-1))
-                    poller.mark_applied(staged.manifest)
+                    poller.state.mark_applied(staged.manifest)
                 assert all(torch.equal(live[k], trainer[k]) for k in trainer), step
         status = poller.status()
         assert status["applied_step"] == 9 and status["last_error"] is None
         assert status["counters"]["downloaded_bytes"]["delta"] > 0
         with pytest.raises(DeltaSyncError, match="not staged"):
-            poller.take(42)
+            poller.state.take(42)
     finally:
         poller.close()
 
@@ -83,8 +83,8 @@ def test_staging_is_bounded_and_resumes_when_taken(tmp_path: Path) -> None:
         _wait(lambda: poller.ready_steps() == [0])
         time.sleep(0.3)
         assert poller.ready_steps() == [0], "staged past max_staged_bytes"
-        taken = poller.take(0)
-        poller.mark_applied(taken[0].manifest)
+        taken = poller.state.take(0)
+        poller.state.mark_applied(taken[0].manifest)
         _wait(lambda: poller.ready_steps() == [1])
     finally:
         poller.close()
@@ -166,15 +166,15 @@ def test_a_step_being_applied_is_the_base_of_the_next_plan(tmp_path: Path) -> No
         poller.start()
         try:
             _wait(lambda: poller.ready_steps() == [0])
-            (taken,) = poller.take(0)  # the worker is "writing" step 0 from here on
+            (taken,) = poller.state.take(0)  # the worker is "writing" step 0 from here on
             _step(w, g)
             pub.publish(1, w.items())
             pub.flush()
             _wait(lambda: 1 in poller.ready_steps())
             time.sleep(0.2)
             assert poller.ready_steps() == [1]
-            poller.mark_applied(taken.manifest)
-            assert poller.ready_steps() == [1] and poller.applied_step == 0
+            poller.state.mark_applied(taken.manifest)
+            assert poller.ready_steps() == [1] and poller.state.applied_step == 0
         finally:
             poller.close()
 
@@ -193,13 +193,13 @@ def test_a_switch_taken_back_waits_for_a_newer_anchor(tmp_path: Path) -> None:
         poller.start()
         try:
             _wait(lambda: poller.ready_steps() == [0, 1, 2])
-            for staged in poller.take(1):
-                poller.mark_applied(staged.manifest)
-            before = poller.applied_manifest
-            (failed,) = poller.take(2)
-            poller.mark_applied(failed.manifest)  # one rank wrote it, another failed it
-            poller.rewind(before, 2, "rank 1 failed step 2")
-            assert poller.applied_step == 1 and poller.applied_manifest == before
+            for staged in poller.state.take(1):
+                poller.state.mark_applied(staged.manifest)
+            before = poller.state.applied
+            (failed,) = poller.state.take(2)
+            poller.state.mark_applied(failed.manifest)  # one rank wrote it, another failed it
+            poller.state.rewind(before, 2, "rank 1 failed step 2")
+            assert poller.state.applied_step == 1 and poller.state.applied == before
             _step(w, g)
             pub.publish(3, w.items())  # a delta on the failed step: never staged
             pub.flush()
@@ -210,9 +210,9 @@ def test_a_switch_taken_back_waits_for_a_newer_anchor(tmp_path: Path) -> None:
             pub.publish(4, w.items())  # an anchor: the way back
             pub.flush()
             _wait(lambda: poller.ready_steps() == [4])
-            (anchor,) = poller.take(4)
+            (anchor,) = poller.state.take(4)
             assert anchor.manifest.kind == "anchor"
-            poller.mark_applied(anchor.manifest)
+            poller.state.mark_applied(anchor.manifest)
             _step(w, g)
             pub.publish(5, w.items())
             pub.flush()

@@ -8,8 +8,20 @@ from pathlib import Path
 import pytest
 
 from vllm_deltasync.errors import FormatError
-from vllm_deltasync.format.layout import data_path, manifest_path, parse_data_path, parse_manifest_path
-from vllm_deltasync.format.manifest import Chunk, FileEntry, Manifest, TensorEntry, Totals, fingerprint
+from vllm_deltasync.format.layout import (
+    data_path,
+    manifest_path,
+    parse_data_path,
+    parse_manifest_path,
+)
+from vllm_deltasync.format.manifest import (
+    Chunk,
+    FileEntry,
+    Manifest,
+    TensorEntry,
+    Totals,
+    fingerprint,
+)
 
 SHA = "ab" * 32
 
@@ -20,7 +32,7 @@ def make(step: int = 42, kind: str = "delta") -> Manifest:
     tensor = TensorEntry("w", (4, 5), "bfloat16", "sparse-v1", 3, (chunk,))
     base, anchor = (None, step) if kind == "anchor" else (step - 1, step - 2)
     return Manifest(step, kind, base, anchor, 1.5, fingerprint([("w", (4, 5), "bfloat16")]),  # type: ignore[arg-type]
-                    files, (tensor,), Totals(1, 20, 3, 100))
+                    files, (tensor,), Totals(1, 20, 3, 100), schema_version=1)
 
 
 def test_paths_are_zero_padded_and_parse_back() -> None:
@@ -47,7 +59,7 @@ def test_json_round_trip() -> None:
 @pytest.mark.parametrize(
     ("field", "value", "needle"),
     [
-        ("schema_version", 2, "schema_version 2"),
+        ("schema_version", 3, "schema_version 3"),
         ("format", "other", "format is 'other'"),
         ("kind", "full", "kind 'full'"),
         ("base_step", 50, "base_step"),

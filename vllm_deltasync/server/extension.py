@@ -95,44 +95,43 @@ class DeltaSyncExtension:
 
     def deltasync_status(self) -> dict[str, Any]:
         """This rank's status: applied/staged/newest step, last error, counters (metrics.py).
-
-        The engine core polls it at the start of every tick, so by now the last switch is final
-        (a revert only ever follows its apply within one tick): its undo is dropped here."""
-        state = self._deltasync_state()
-        state.settle()
-        return state.status()
+        Reading it changes nothing."""
+        return self._deltasync_state().status()
 
     def deltasync_ready(self) -> list[int]:
         """Steps staged and fully prepared on this rank, in apply order."""
-        return self._deltasync_state().poller.ready_steps()
+        return self._deltasync_state().sync.ready_steps()
 
     def deltasync_apply(self, step: int) -> dict[str, Any]:
         """Apply every staged step up to ``step`` in place. Returns what was done, or the error
-        and whether this rank put its weights back (``reverted``)."""
+        and whether this rank put its weights back (``reverted``). The switch stays pending
+        (its undo kept) until ``deltasync_commit`` or ``deltasync_revert``."""
         from vllm_deltasync.server.worker.rank import ApplyFailed
 
         state = self._deltasync_state()
         try:
             return {"ok": True, "rank": state.rank, **state.apply(step)}
         except Exception as exc:  # noqa: BLE001 - reported to the coordinator, never raised
-            state.last_error = f"{type(exc).__name__}: {exc}"
+            error = f"{type(exc).__name__}: {exc}"
             logger.exception("deltasync apply step=%d rank=%d failed", step, state.rank)
             reverted = isinstance(exc, ApplyFailed) and exc.reverted
             if not reverted:
-                state.poller.reset(state.last_error)
-            return {"ok": False, "rank": state.rank, "error": state.last_error,
-                    "reverted": reverted}
+                state.reset(error)
+            return {"ok": False, "rank": state.rank, "error": error, "reverted": reverted}
+
+    def deltasync_commit(self, step: int) -> bool:
+        """The engine core made the switch to ``step`` final (prefix cache reset, weight
+        version set): drop its undo. True when that switch was pending on this rank."""
+        return self._deltasync_state().commit(step)
 
     def deltasync_revert(self, step: int, reason: str) -> bool:
-        """Take back this rank's switch to ``step`` (another rank failed it). True when the
-        rank holds its weights from before that switch again."""
-        state = self._deltasync_state()
-        state.last_error = reason
-        return state.revert(step, reason)
+        """Take back this rank's switch to ``step`` (another rank or the engine core failed
+        it). True when the rank holds its weights from before that switch again."""
+        return self._deltasync_state().revert(step, reason)
 
     def deltasync_reset(self, reason: str) -> None:
         """Forget the applied version (the next step is reached through an anchor)."""
-        self._deltasync_state().poller.reset(reason)
+        self._deltasync_state().reset(reason)
 
     def deltasync_trace(self, last: int | None = None) -> list[tuple[int, int, int, int]]:
         """Recent model steps on this rank: (n, version at start, version at end, tokens)."""
@@ -226,6 +225,7 @@ def _patch_engine_core() -> None:
         return
     run_busy_loop = EngineCoreProc.run_busy_loop
     handle = EngineCoreProc._handle_client_request
+    engine_step = EngineCoreProc._process_engine_step
     shutdown = EngineCore.shutdown
 
     def patched_run_busy_loop(self: Any) -> Any:
@@ -241,6 +241,13 @@ def _patch_engine_core() -> None:
             return
         handle(self, request_type, request)
 
+    def patched_engine_step(self: Any) -> bool:
+        executed = engine_step(self)
+        coord = getattr(self, "_deltasync_coord", None)
+        if executed and coord is not None:
+            coord.after_model_step()
+        return bool(executed)
+
     def patched_shutdown(self: Any) -> None:
         coord = getattr(self, "_deltasync_coord", None)
         if coord is not None:
@@ -254,6 +261,7 @@ def _patch_engine_core() -> None:
     patched_run_busy_loop.__wrapped__ = run_busy_loop  # type: ignore[attr-defined]
     EngineCoreProc.run_busy_loop = patched_run_busy_loop  # type: ignore[method-assign]
     EngineCoreProc._handle_client_request = patched_handle  # type: ignore[method-assign]
+    EngineCoreProc._process_engine_step = patched_engine_step  # type: ignore[method-assign]
     EngineCore.shutdown = patched_shutdown  # type: ignore[method-assign]
     EngineCore.deltasync_engine_status = deltasync_engine_status  # type: ignore[attr-defined]
     EngineCoreProc._deltasync_patched = True  # type: ignore[attr-defined]

@@ -40,7 +40,8 @@ Exposure
 --------
 * Own port (default ``metrics_port`` 9464): ``GET /metrics`` (Prometheus text) and
   ``GET /synced?max_steps_behind=N`` (JSON; 200 when every rank has applied a step and is at
-  most N steps behind, else 503: the readiness probe). Works for a plain ``vllm serve``.
+  most N steps behind and the engine core's switch loop is not failing, else 503: the
+  readiness probe). Works for a plain ``vllm serve``.
 * vLLM's own ``/metrics``: start the server with ``PROMETHEUS_MULTIPROC_DIR`` set to an empty
   directory. prometheus_client then keeps these values in files that vLLM's API server
   collects; gauges use ``livemostrecent`` so no ``pid`` label appears.
@@ -107,6 +108,8 @@ _GAUGES: tuple[tuple[str, str, str, tuple[str, ...]], ...] = (
     ("bucket_info", "bucket_info",
      "The followed bucket (URL without credentials) and format version; value 1.",
      ("url", "format_version")),
+    ("coordinator_failing", "coordinator_failing",
+     "1 while the engine core's switch loop has failed several ticks in a row, else 0.", ()),
 )
 #: (attribute, name without prefix and ``_total``, help, labels) of every counter.
 _COUNTERS: tuple[tuple[str, str, str, tuple[str, ...]], ...] = (
@@ -120,6 +123,9 @@ _COUNTERS: tuple[tuple[str, str, str, tuple[str, ...]], ...] = (
      "Bucket requests by operation and outcome (rate_limited: HTTP 429).",
      ("rank", "operation", "outcome")),
     ("switches", "switches", "Weight switches performed by the engine.", ()),
+    ("coordinator_failures", "coordinator_failures",
+     "Engine-core ticks that failed (a switch taken back by the engine core, a status poll that "
+     "raised), by error class.", ("reason",)),
 )
 #: (attribute, name without prefix, help, labels, buckets) of every histogram.
 _HISTOGRAMS: tuple[tuple[str, str, str, tuple[str, ...], tuple[float, ...]], ...] = (
@@ -235,12 +241,14 @@ class SyncMetrics:
     status_ts: Gauge
     last_switch_ts: Gauge
     bucket_info: Gauge
+    coordinator_failing: Gauge
     downloaded_bytes: Counter
     applied_steps: Counter
     changed_elements: Counter
     failures: Counter
     store_requests: Counter
     switches: Counter
+    coordinator_failures: Counter
     download_duration: Histogram
     apply_duration: Histogram
     pause_duration: Histogram
@@ -257,7 +265,9 @@ class SyncMetrics:
         self._cursors: dict[str, _RankCursor] = {}
         self._errors: dict[str, str] = {}
         self.latest: list[Mapping[str, Any]] = []
+        self._coordinator: dict[str, Any] = {"failing": False, "last_error": None}
         self._build(self.registry)
+        self.coordinator_failing.set(0)
         if bucket_url:
             self.bucket_info.labels(redact_url(bucket_url), str(format_version)).set(1)
 
@@ -296,6 +306,18 @@ class SyncMetrics:
         self.switches.inc()
         self.pause_duration.observe(pause_s)
         self.last_switch_ts.set(time.time() if now is None else now)
+
+    def coordinator_state(self, *, failing: bool, error: BaseException | None = None) -> None:
+        """After each engine-core tick: ``error`` when it failed (counted by class), ``failing``
+        once it failed several in a row (then ``/synced`` answers 503)."""
+        with self._lock:
+            if error is not None:
+                self.coordinator_failures.labels(error_reason(error)).inc()
+                self._coordinator["last_error"] = f"{error_reason(error)}: {error}"
+            elif not failing:
+                self._coordinator["last_error"] = None
+            self._coordinator["failing"] = failing
+            self.coordinator_failing.set(1 if failing else 0)
 
     def _update_gauges(self, rank: str, s: Mapping[str, Any], now: float) -> None:
         applied, newest = _int_or_none(s.get("applied_step")), _int_or_none(s.get("newest_step"))
@@ -351,6 +373,7 @@ class SyncMetrics:
         saw, and has applied one (unless the bucket is empty)."""
         with self._lock:
             ranks = list(self.latest)
+            coordinator = dict(self._coordinator)
         rows = []
         for index, s in enumerate(ranks):
             applied, newest = _int_or_none(s.get("applied_step")), _int_or_none(s.get("newest_step"))
@@ -358,12 +381,14 @@ class SyncMetrics:
             rows.append({"rank": s.get("rank", index), "applied_step": applied,
                          "newest_step": newest, "steps_behind": max(behind, 0),
                          "last_error": s.get("last_error")})
-        ok = bool(rows) and all(  # an empty bucket leaves the loaded weights current
+        ok = bool(rows) and not coordinator["failing"] and all(
+            # an empty bucket leaves the loaded weights current
             (r["applied_step"] is not None or r["newest_step"] is None)
             and r["steps_behind"] <= max_steps_behind
             for r in rows
         )
-        return ok, {"synced": ok, "max_steps_behind": max_steps_behind, "ranks": rows}
+        return ok, {"synced": ok, "max_steps_behind": max_steps_behind, "ranks": rows,
+                    "coordinator": coordinator}
 
     def start_server(self, port: int, addr: str = "0.0.0.0") -> MetricsServer | None:
         """Serve ``/metrics`` and ``/synced`` on ``port``; ``0`` means off and returns None."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -21,6 +22,42 @@ from vllm_deltasync.format.manifest import SCHEMA_VERSION
 from vllm_deltasync.server.metrics import MetricsServer, SyncMetrics
 
 logger = logging.getLogger(__name__)
+
+FAILING_AFTER = 3
+"""Consecutive failed ticks after which the coordinator reports itself failing (``/synced``
+answers 503, ``deltasync_coordinator_failing`` is 1) until a tick succeeds."""
+
+FAIL_SWITCH_ENV = "DELTASYNC_TEST_FAIL_SWITCH"
+"""Test-only failpoint, ``"<step>:<ticks>"``: the switch to ``step`` raises after every rank
+applied it and before the prefix-cache reset (once per process), then the next ``ticks`` ticks
+raise at their start (a fault that persists). Not a setting: never set it in production."""
+
+SWITCH_EVERY_STEPS_ENV = "DELTASYNC_TEST_SWITCH_EVERY_STEPS"
+"""Test-only, ``"<n>"``: switches start only from a tick the engine runs after every ``n``
+model steps, never from the timer (which keeps reading status and finishing drains), so a
+test knows a switch lands inside the batch it is generating. Not a setting."""
+
+
+class _Failpoint:
+    """The parsed :data:`FAIL_SWITCH_ENV`."""
+
+    def __init__(self, spec: str | None) -> None:
+        self.step: int | None = None
+        self.ticks = 0
+        if spec:
+            step, _, ticks = spec.partition(":")
+            self.step, self.ticks = int(step), int(ticks or 0)
+
+    def at_switch(self, step: int) -> None:
+        if self.step is not None and step == self.step:
+            self.step = None
+            raise RuntimeError(f"failpoint {FAIL_SWITCH_ENV}: switch to step {step} fails "
+                               "between the ranks' apply and the prefix-cache reset")
+
+    def at_tick(self) -> None:
+        if self.step is None and self.ticks > 0:
+            self.ticks -= 1
+            raise RuntimeError(f"failpoint {FAIL_SWITCH_ENV}: the tick fails (a persistent fault)")
 
 
 def common_ready_step(statuses: Sequence[Mapping[str, Any]]) -> int | None:
@@ -56,6 +93,12 @@ class Coordinator:
         self._drain_since: float | None = None
         self._paused_by_us = False
         self._held_after_failure = False
+        self.failed_ticks = 0
+        """Consecutive ticks that raised (0 after a good one)."""
+        self._logged_error: str | None = None
+        self._failpoint = _Failpoint(os.environ.get(FAIL_SWITCH_ENV))
+        self._switch_every = int(os.environ.get(SWITCH_EVERY_STEPS_ENV) or 0)
+        self._model_steps = 0
 
     # ----------------------------------------------------------------- lifecycle
     def start(self) -> None:
@@ -94,22 +137,50 @@ class Coordinator:
                 return
 
     # ---------------------------------------------------------------------- tick
-    def tick(self) -> None:
-        """Busy-loop thread, between scheduler steps."""
+    def tick(self, *, from_steps: bool = False) -> None:
+        """Busy-loop thread, between scheduler steps. Never raises: a failed tick is counted
+        (``deltasync_coordinator_failures_total``), logged with its traceback once per distinct
+        error, and after :data:`FAILING_AFTER` in a row the coordinator reports itself failing.
+        """
         if not self.active:
             return
         try:
-            self._tick()
+            self._failpoint.at_tick()
+            self._tick(may_switch=from_steps or not self._switch_every
+                       or self._drain_since is not None)
         except Exception as exc:  # noqa: BLE001 - never take the engine down
-            self.last_error = f"{type(exc).__name__}: {exc}"
-            logger.exception("deltasync tick failed")
+            self._tick_failed(exc)
+        else:
+            self.failed_ticks = 0
+            self.metrics.coordinator_state(failing=False)
 
-    def _tick(self) -> None:
+    def after_model_step(self) -> None:
+        """Busy-loop thread, after a model step ran (test hook :data:`SWITCH_EVERY_STEPS_ENV`)."""
+        if not self._switch_every:
+            return
+        self._model_steps += 1
+        if self._model_steps >= self._switch_every:
+            self._model_steps = 0
+            self.tick(from_steps=True)
+
+    def _tick_failed(self, exc: BaseException) -> None:
+        self.failed_ticks += 1
+        self.last_error = f"{type(exc).__name__}: {exc}"
+        failing = self.failed_ticks >= FAILING_AFTER
+        self.metrics.coordinator_state(failing=failing, error=exc)
+        if self.last_error != self._logged_error:
+            self._logged_error = self.last_error
+            logger.error("deltasync tick failed (%d in a row; this error is logged once): %s",
+                         self.failed_ticks, self.last_error, exc_info=exc)
+
+    def _tick(self, *, may_switch: bool) -> None:
         self.statuses = list(self.engine.collective_rpc("deltasync_status"))
         self.metrics.update(self.statuses)
         step = common_ready_step(self.statuses)
         if step is None:
             self._release_drain()
+            return
+        if not may_switch:
             return
         if self.config.in_flight == "drain" and not self._drained():
             return
@@ -138,6 +209,9 @@ class Coordinator:
             self._paused_by_us = False
 
     def _switch(self, step: int) -> None:
+        """One unit: every rank applies, the prefix cache is reset, the weight version is set,
+        every rank commits. If anything after the ranks' apply fails, the switch is taken back
+        on every rank (:meth:`_take_back`) and the error propagates to :meth:`tick`."""
         started = time.perf_counter()
         results = list(self.engine.collective_rpc("deltasync_apply", args=(step,)))
         pause_s = time.perf_counter() - started
@@ -145,12 +219,19 @@ class Coordinator:
         if failed:
             self._after_failure(step, failed)
             return
-        if self.config.reset_prefix_cache:
-            self.engine.reset_prefix_cache(reset_running_requests=True)
+        try:
+            self._failpoint.at_switch(step)
+            if self.config.reset_prefix_cache:
+                self.engine.reset_prefix_cache(reset_running_requests=True)
+            self.engine.set_weight_version(str(step))
+        except Exception as exc:
+            self._take_back(step, f"step {step}: the engine core failed the switch after the "
+                                  f"ranks applied it: {type(exc).__name__}: {exc}")
+            raise
+        self.engine.collective_rpc("deltasync_commit", args=(step,))
         if self._held_after_failure:
             self.engine.scheduler.set_pause_state(self._pause.UNPAUSED)
             self._held_after_failure = False
-        self.engine.set_weight_version(str(step))
         self._release_drain()
         self.metrics.observe_switch(step, pause_s)
         self.last_error = None
@@ -162,6 +243,23 @@ class Coordinator:
         self.switches.append(record)
         logger.info("deltasync switched step=%d ranks=%d pause=%.4fs", step, len(results),
                     pause_s)
+
+    def _take_back(self, step: int, reason: str) -> None:
+        """Every rank applied ``step`` but the switch cannot complete: every rank reverts it
+        before any batch runs, and the version label stays what the weights are again. When
+        some rank cannot, hold (:meth:`_hold`)."""
+        self.last_error = reason
+        back = list(self.engine.collective_rpc("deltasync_revert", args=(step, reason)))
+        if back and all(back):
+            if self.config.reset_prefix_cache:  # it may have run half-way: start clean
+                self.engine.reset_prefix_cache(reset_running_requests=True)
+            logger.error("deltasync switch to step %d taken back on every rank; serving "
+                         "version %s: %s", step, self.engine.get_weight_version(), reason)
+            self._release_drain()
+            return
+        self.last_error += "; ranks " + ", ".join(
+            str(i) for i, ok in enumerate(back) if not ok) + " could not take it back"
+        self._hold()
 
     def _after_failure(self, step: int, failed: list[Mapping[str, Any]]) -> None:
         """Some rank could not apply ``step``: take the switch back on every rank, or hold.
@@ -206,6 +304,8 @@ class Coordinator:
             "weight_version": self.engine.get_weight_version(),
             "switches": list(self.switches),
             "last_error": self.last_error,
+            "failed_ticks": self.failed_ticks,
+            "failing": self.failed_ticks >= FAILING_AFTER,
             "ranks": [{k: s.get(k) for k in ("rank", "applied_step", "staged_step",
                                              "newest_step", "last_error")}
                       for s in self.statuses],
@@ -213,4 +313,5 @@ class Coordinator:
         }
 
 
-__all__ = ["Coordinator", "common_ready_step"]
+__all__ = ["FAILING_AFTER", "FAIL_SWITCH_ENV", "SWITCH_EVERY_STEPS_ENV", "Coordinator",
+           "common_ready_step"]

@@ -18,7 +18,11 @@ import torch
 
 from vllm_deltasync.config import SyncConfig
 from vllm_deltasync.errors import ApplyError, ChainError
+from vllm_deltasync.format.codec import TensorPatch
+from vllm_deltasync.format.manifest import Manifest
 from vllm_deltasync.server.worker.apply import sha256_hex
+from vllm_deltasync.server.worker.shardmap import Piece
+from vllm_deltasync.server.worker.state import Applied, PendingSwitch, SyncState
 
 FAILPOINT_ENV = "DELTASYNC_TEST_FAIL_APPLY"
 """Test-only failpoint, ``"<rank>:<step>:<pieces>"``: that rank's apply of that step raises
@@ -48,7 +52,13 @@ class ApplyFailed(ApplyError):
 
 
 class RankState:
-    """Everything one rank keeps: config, shard map, poller, counters, the step trace."""
+    """Everything one rank keeps: config, shard map, poller, counters, the step trace.
+
+    Its methods run on the worker's main thread (vLLM calls them through ``collective_rpc``
+    between model steps), except :meth:`prepare`, which the poller thread calls. Shared state
+    lives in ``self.sync`` (:class:`SyncState`), whose methods take its lock; weights are only
+    written here, on the main thread.
+    """
 
     def __init__(self, worker: Any, config: SyncConfig) -> None:
         from vllm_deltasync.format.manifest import fingerprint
@@ -69,27 +79,28 @@ class RankState:
             maxlen=config.debug_ring_size
         )
         self.model_steps = 0
-        self.last_apply: dict[str, Any] | None = None
-        self.last_error: str | None = None
-        self._undo: tuple[int, Any, Any] | None = None  # the last switch, to take it back
-        self._failed: tuple[int, bool] | None = None  # (step, put back) of a failed switch
+        self.sync: SyncState[list[Piece]] = SyncState(config.loaded_step)
         names = set(self.shardmap.names)
         self.poller = Poller(
             config,
             self.prepare,
             select=lambda n: n not in names or bool(self.shardmap.targets(n)),
             fingerprint=self.fingerprint,
-            applied_step=config.loaded_step,
             rank=self.rank,
             stats=self.stats,
+            state=self.sync,
         )
 
-    def prepare(self, manifest: Any, patches: list[Any]) -> tuple[Any, int]:
-        """Poller thread: translate to this rank's shards and move to the device."""
+    def prepare(self, manifest: Manifest, patches: list[TensorPatch]) -> tuple[list[Piece], int]:
+        """Poller thread: translate to this rank's shards and move to the device.
+
+        The shard map is read once: if the main thread replaces it meanwhile it also bumps the
+        state's generation, so a step prepared with the old map is never staged."""
         from vllm_deltasync.server.worker.apply import prepare
         from vllm_deltasync.server.worker.shardmap import translate_all
 
-        pieces = prepare(translate_all(self.shardmap, patches))
+        shardmap = self.shardmap
+        pieces = prepare(translate_all(shardmap, patches))
         if pieces and pieces[0].param.device.type == "cuda":
             torch.cuda.current_stream(pieces[0].param.device).synchronize()
         nbytes = sum(
@@ -103,22 +114,21 @@ class RankState:
         """Main thread, between model steps: write every staged step up to ``step``.
 
         All or nothing on this rank: if anything fails, what was written is put back (see
-        :class:`~vllm_deltasync.server.worker.apply.Undo`) and :class:`ApplyFailed` says whether that
-        worked. After a success the undo is kept until :meth:`settle` (the engine's next status
-        poll), so the engine can take the switch back with :meth:`revert` when another rank
-        failed.
+        :class:`~vllm_deltasync.server.worker.apply.Undo`) and :class:`ApplyFailed` says
+        whether that worked. After a success the undo is kept (``SyncState``'s pending switch)
+        until the engine core commits the switch (:meth:`commit`) or takes it back
+        (:meth:`revert`) because another rank, or the engine core itself, failed it.
         """
         from vllm_deltasync.server.worker.apply import Undo, apply_patches
 
-        self._undo, self._failed = None, None
         self._check_params_unchanged()
-        before = self.poller.applied_manifest
+        before = self.sync.applied
         undo = Undo()
         started = time.perf_counter()
         written = 0
         try:
-            taken = self.poller.take(step)
-            applied = self.poller.applied_step
+            taken = self.sync.take(step, rank=self.rank)
+            applied = before[0]
             for staged in taken:  # check the whole chain before writing anything
                 m = staged.manifest
                 if m.kind == "delta" and m.base_step != applied:
@@ -137,18 +147,16 @@ class RankState:
                                      f"{staged.step} after {len(pieces)} pieces")
                 _synchronize(staged.payload)
                 written += n
-                self.poller.mark_applied(staged.manifest)
+                self.sync.mark_applied(staged.manifest)
                 kind = "anchor" if staged.manifest.kind == "anchor" else "delta"
                 self.stats.add_apply(kind, time.perf_counter() - t0, n)
         except Exception as exc:
             self.stats.add_failure("apply", exc)
-            reverted = self._put_back(undo, before, step, f"{type(exc).__name__}: {exc}")
-            self._failed = (step, reverted)
+            error = f"{type(exc).__name__}: {exc}"
+            reverted = self._put_back(undo, before, step, error)
+            self.sync.switch_failed(step, reverted, error)
             raise ApplyFailed(str(exc), reverted=reverted) from exc
-        self._undo = (step, undo, before)
-        self._failed = None
-        self.last_error = None
-        self.last_apply = {
+        last_apply = {
             "step": step,
             "steps": [s.step for s in taken],
             "kinds": [s.manifest.kind for s in taken],
@@ -161,40 +169,45 @@ class RankState:
             "published_at": taken[-1].manifest.created_at,
             "at": time.time(),
         }
-        return dict(self.last_apply)
+        self.sync.switched(PendingSwitch(step, undo, before), last_apply)
+        return last_apply
+
+    def commit(self, step: int) -> bool:
+        """The engine core made the switch to ``step`` final: drop its undo (and the pieces it
+        keeps alive)."""
+        return self.sync.commit(step)
 
     def revert(self, step: int, reason: str) -> bool:
-        """Take back the switch to ``step`` because another rank failed it.
+        """Take back the switch to ``step`` because another rank, or the engine core, failed it.
 
         True when this rank holds the weights it had before that switch again (also when its
-        own apply failed and was already put back); False when it cannot, and then its poller
-        forgets the applied version (resync through an anchor).
+        own apply failed and was already put back); False when it cannot, and then the applied
+        version is forgotten (resync through an anchor).
         """
-        kept, self._undo = self._undo, None
-        if kept is None:
-            return self._failed == (step, True)
-        applied, undo, before = kept
-        if applied != step:
-            self.poller.reset(f"{reason}; this rank's last switch was to step {applied}")
+        pending = self.sync.take_back(step)
+        if pending is None:
+            if self.sync.already_reverted(step):
+                self.sync.set_error(reason)
+                return True
+            self.sync.reset(f"{reason}; this rank holds no pending switch to step {step}")
             return False
-        return self._put_back(undo, before, step, reason)
+        return self._put_back(pending.undo, pending.before, step, reason)
 
-    def settle(self) -> None:
-        """The last switch is final (the engine moved on): drop its undo and the pieces it
-        keeps alive, so they do not stay in memory until the next switch."""
-        self._undo = None
+    def reset(self, reason: str) -> None:
+        """Forget the applied version (the next step is reached through an anchor)."""
+        self.sync.reset(reason)
 
-    def _put_back(self, undo: Any, before: Any, step: int, reason: str) -> bool:
-        """Revert ``undo`` and rewind the poller to ``before``; False (and a poller reset) when
-        the weights could not be put back."""
+    def _put_back(self, undo: Any, before: Applied, step: int, reason: str) -> bool:
+        """Revert ``undo`` and rewind to ``before``; False (and a reset) when the weights could
+        not be put back."""
         pieces = [piece for piece, _ in undo.entries]
         try:
             undo.revert()
             _synchronize(pieces)
         except Exception as exc:  # noqa: BLE001 - reported: the weights are unknown now
-            self.poller.reset(f"{reason}; could not put the weights back: {exc}")
+            self.sync.reset(f"{reason}; could not put the weights back: {exc}")
             return False
-        self.poller.rewind(before, step, reason)
+        self.sync.rewind(before, step, reason)
         return True
 
     def _check_params_unchanged(self) -> None:
@@ -205,32 +218,26 @@ class RankState:
 
         self.shardmap = ShardMap.from_model(self.model, self.checkpoint)
         self.param_ids = _param_ids(self.model)
-        raise ApplyError(
-            f"rank {self.rank}: the model's parameters were replaced (reload_weights?); the shard "
-            "map was rebuilt and the engine resyncs through the next anchor"
-        )
+        message = (f"rank {self.rank}: the model's parameters were replaced (reload_weights?); "
+                   "the shard map was rebuilt and the engine resyncs through the next anchor")
+        self.sync.reset(message)
+        raise ApplyError(message)
 
     def record_step(self, run: Callable[[], Any], num_tokens: int) -> Any:
         """Run one model step and remember which version it ran on, at start and at end."""
-        before = _version(self.poller.applied_step)
+        before = _version(self.sync.applied_step)
         try:
             return run()
         finally:
             self.model_steps += 1
             self.trace.append(
-                (self.model_steps, before, _version(self.poller.applied_step), num_tokens)
+                (self.model_steps, before, _version(self.sync.applied_step), num_tokens)
             )
 
     def status(self) -> dict[str, Any]:
+        """This rank's status; reading it changes nothing."""
         out = self.poller.status()
-        if self.last_error and not out.get("last_error"):
-            out["last_error"] = self.last_error
-        out.update(
-            fingerprint=self.fingerprint,
-            last_apply=self.last_apply,
-            model_steps=self.model_steps,
-            pid=os.getpid(),
-        )
+        out.update(fingerprint=self.fingerprint, model_steps=self.model_steps, pid=os.getpid())
         return out
 
 

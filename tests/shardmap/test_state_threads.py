@@ -1,0 +1,175 @@
+"""One owner for a rank's sync state, driven from the poller thread and the main thread at once.
+
+A real ``RankState`` (vLLM's own Llama module, a real shard map, a real ``Poller`` following a
+file:// bucket that a trainer thread keeps publishing to) is driven the way a worker is: the
+poller thread discovers, downloads and stages on its own while the main thread applies,
+commits, reverts and resets at random, and a third thread reads status all the time (as the
+engine core and its metrics do). After every command the next status read must show its
+effect; no thread may raise; at the end the live weights equal the trainer's last step.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+from vllm_deltasync import DeltaPublisher
+from vllm_deltasync.config import SyncConfig
+from vllm_deltasync.server.worker.apply import checkpoint_digest, tensor_digest
+from vllm_deltasync.server.worker.rank import RankState
+
+from .conftest import TPWorld, random_checkpoint
+
+
+def _worker(model: torch.nn.Module, ckpt: Path) -> Any:
+    """The attributes of vLLM's worker that RankState reads (vLLM's object, not ours)."""
+    return SimpleNamespace(rank=0, model_runner=SimpleNamespace(model=model),
+                           vllm_config=SimpleNamespace(model_config=SimpleNamespace(model=str(ckpt))))
+
+
+def _train(state: dict[str, torch.Tensor], gen: torch.Generator) -> None:
+    for t in state.values():
+        bits = t.view(torch.int16).reshape(-1)
+        mask = torch.rand(bits.numel(), generator=gen) < 0.02
+        bits[mask] += 1
+
+
+def _wait(predicate: Any, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.005)
+
+
+def test_commands_from_two_threads_are_each_visible_in_the_next_status(
+    tp_world: TPWorld, tmp_path: Path
+) -> None:
+    params = tp_world.model("llama_gqa").checkpoint_params()
+    weights = random_checkpoint(params, seed=11)
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    save_file(weights, str(ckpt / "model.safetensors"))
+    live = tp_world.build("llama_gqa", 1, 0)
+    live.load_weights(iter(weights.items()))
+
+    url = f"file://{tmp_path}/bucket"
+    rank = RankState(_worker(live, ckpt), SyncConfig(url=url, poll_interval_s=0.01))
+    history: dict[int, dict[str, torch.Tensor]] = {}
+    errors: list[BaseException] = []
+    stop_reading = threading.Event()
+    trainer_gen, rng = torch.Generator().manual_seed(12), random.Random(13)
+    phase_one = 16  # random reverts and resets only while these steps arrive
+
+    with DeltaPublisher(url, anchor_every=4, keep_anchors=100) as pub:
+
+        def publish(steps: range) -> None:
+            for step in steps:
+                _train(weights, trainer_gen)
+                history[step] = {n: t.clone() for n, t in weights.items()}
+                pub.publish(step, weights.items())
+                pub.flush()
+                time.sleep(0.01)
+
+        def read_status() -> None:
+            try:
+                while not stop_reading.is_set():
+                    s = rank.status()
+                    assert s["ready_steps"] == sorted(s["ready_steps"])
+                    rank.poller.ready_steps()
+            except BaseException as exc:  # noqa: BLE001 - reported by the test
+                errors.append(exc)
+
+        trainer = threading.Thread(target=publish, args=(range(phase_one),))
+        reader = threading.Thread(target=read_status)
+        rank.poller.start()
+        trainer.start()
+        reader.start()
+        counts = {"apply": 0, "commit": 0, "revert": 0, "reset": 0}
+        try:
+            while trainer.is_alive() or rank.sync.ready_steps():
+                ready = rank.sync.ready_steps()
+                if not ready:
+                    time.sleep(0.002)
+                    continue
+                before = rank.status()["applied_step"]
+                step = rng.choice(ready)
+                rank.apply(step)
+                counts["apply"] += 1
+                s = rank.status()
+                assert s["applied_step"] == step and s["pending_switch"] == step, s
+                assert all(r > step for r in s["ready_steps"]), s
+                assert s["last_apply"]["step"] == step and s["last_error"] is None, s
+                choice = rng.random()
+                if choice < 0.6:
+                    assert rank.commit(step)
+                    counts["commit"] += 1
+                    s = rank.status()
+                    assert s["pending_switch"] is None and s["applied_step"] == step, s
+                    assert not rank.commit(step), "a switch was committed twice"
+                elif choice < 0.85:
+                    ok = rank.revert(step, f"test revert of {step}")
+                    counts["revert"] += 1
+                    s = rank.status()
+                    undoable = ok
+                    if undoable:  # back on the step before, waiting for a newer anchor
+                        assert s["applied_step"] == before, (s, before)
+                    else:  # an anchor was written: its undo is incomplete, resync
+                        assert s["applied_step"] is None, s
+                    assert s["pending_switch"] is None and s["ready_steps"] == [], s
+                    assert s["last_error"].startswith(f"test revert of {step}"), s
+                else:
+                    rank.reset(f"test reset after {step}")
+                    counts["reset"] += 1
+                    s = rank.status()
+                    assert s["applied_step"] is None and s["ready_steps"] == [], s
+                    assert s["pending_switch"] is None and s["last_error"] == f"test reset after {step}"
+                if before is not None and choice < 0.6:
+                    assert rank.status()["applied_step"] == step
+            trainer.join()
+            assert all(counts.values()), counts
+
+            # then only applies and commits: the last steps (from an anchor) must all land
+            last = phase_one + 2
+            publish(range(phase_one, last + 1))  # phase_one is a multiple of anchor_every
+            while rank.status()["applied_step"] != last:
+                _wait(lambda: bool(rank.sync.ready_steps()))
+                step = rank.sync.ready_steps()[-1]
+                rank.apply(step)
+                assert rank.commit(step)
+        finally:
+            stop_reading.set()
+            reader.join(timeout=10)
+            rank.poller.close()
+
+    assert not errors, errors
+    status = rank.status()
+    assert status["last_error"] is None, status
+    assert [f for f in status["counters"]["failures"] if f[0] != "apply"] == [], status
+    want = history[last]
+    for name in rank.shardmap.names:
+        if name in rank.shardmap.ignored or name in rank.shardmap.covered_by:
+            continue
+        assert tensor_digest(rank.shardmap, name) == checkpoint_digest(
+            rank.shardmap, name, want[name]), name
+
+
+def test_a_closed_poller_stays_closed(tmp_path: Path) -> None:
+    """Its loop thread is not started again behind the owner's back."""
+    from vllm_deltasync.server.worker.poller import Poller
+
+    poller = Poller(SyncConfig(url=f"file://{tmp_path}/b", poll_interval_s=0.01),
+                    lambda m, p: (p, 0))
+    poller.start()
+    poller.close()
+    threads = {t.name for t in threading.enumerate()}
+    poller.state.reset("after close")  # signals room: must not restart the loop
+    assert poller.ready_steps() == [] and poller.status()["last_error"] == "after close"
+    assert {t.name for t in threading.enumerate()} <= threads
+    assert not any(t.name == "deltasync-poller-rank0" for t in threading.enumerate())
