@@ -35,7 +35,7 @@ import aiohttp
 
 from vllm_deltasync.format.layout import manifest_path
 from vllm_deltasync.server.worker.discovery import StepWatcher
-from vllm_deltasync.stores.hf import HfStore
+from vllm_deltasync.stores.hf import HfOptions, HfStore
 
 HUBSERVER = Path(__file__).resolve().parents[1] / "tests" / "stores" / "hubserver.py"
 BUCKET = "bench/step"
@@ -65,7 +65,8 @@ async def _upload(info: dict[str, str], files: dict[str, bytes]) -> None:
 
 
 async def _project(info: dict[str, str], paths: list[str], **options: Any) -> int:
-    store = HfStore(BUCKET, endpoint=info["endpoint"], token=info["token"], environ={}, **options)
+    settings = HfOptions(endpoint=info["endpoint"], token=info["token"], **options)
+    store = HfStore(BUCKET, options=settings, environ={})
     limiter = asyncio.Semaphore(8)
 
     async def one(path: str) -> int:
@@ -152,7 +153,7 @@ def _throughput(quick: bool) -> tuple[str, float]:
 
 async def _follow(hub: Any, k: float, duration_s: float, events: bool) -> int:
     hub.create_bucket(BUCKET)
-    store = HfStore(BUCKET, endpoint=hub.endpoint, token=hub.token, environ={})
+    store = HfStore(BUCKET, HfOptions(endpoint=hub.endpoint, token=hub.token), environ={})
     watcher = StepWatcher(
         store,
         probe_interval_s=10.0 / k,

@@ -11,6 +11,10 @@ memory://   process-local dict, for tests and demos     (none)
 hf://       Hugging Face Storage Buckets                ``vllm-deltasync[hf]``
 s3://       S3 and S3-compatible (R2, MinIO, Hub)       ``vllm-deltasync[s3]``
 ==========  ==========================================  =========================
+
+The network backends take their options as one object (``S3Options`` in
+:mod:`vllm_deltasync.stores.s3`, ``HfOptions`` in :mod:`vllm_deltasync.stores.hf`) or, the same
+names, as ``open_store`` keyword arguments. :class:`RetryPolicy` is shared by both.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import importlib
 from typing import Any
 
 from vllm_deltasync.errors import ConfigError
+from vllm_deltasync.stores._retry import RetryPolicy
 from vllm_deltasync.stores.base import ObjectInfo, Store, StoreStats
 
 # scheme -> (module, class, extra needed for its dependencies or None)
@@ -44,7 +49,8 @@ def split_scheme(url: str) -> tuple[str, str]:
 
 
 def open_store(url: str, **options: Any) -> Store:
-    """The store for ``url``. ``options`` go to the backend's constructor."""
+    """The store for ``url``. ``options`` go to the backend's ``from_url`` (its ``store_options``:
+    for s3:// and hf:// the fields of ``S3Options`` / ``HfOptions``; unknown keys are refused)."""
     scheme, _ = split_scheme(url)
     try:
         module_name, cls_name, extra = _REGISTRY[scheme]
@@ -61,4 +67,4 @@ def open_store(url: str, **options: Any) -> Store:
     return store
 
 
-__all__ = ["ObjectInfo", "Store", "StoreStats", "open_store", "register_store", "split_scheme"]
+__all__ = ["ObjectInfo", "RetryPolicy", "Store", "StoreStats", "open_store", "register_store", "split_scheme"]

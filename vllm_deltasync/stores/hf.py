@@ -11,6 +11,9 @@ Reads speak the bucket HTTP API with aiohttp (the session is injectable):
   dropped connection resumes from the last byte received.
 * ``changes``: the bucket's server-sent events feed (used by :mod:`vllm_deltasync.server.worker.discovery`).
 
+Options are one :class:`HfOptions` (``HfStore(bucket_id, prefix, options)``) or, the same
+names, keyword arguments of ``open_store(url, **store_options)``.
+
 Writes go through ``huggingface_hub.batch_bucket_files`` (uploads need ``hf_xet``). The Xet
 upload protocol cannot run offline, so the upload call is the one seam: pass ``uploader=`` (an
 async callable taking ``[(bucket_path, bytes), ...]``) to replace it. Deletes use the same batch
@@ -27,16 +30,19 @@ from __future__ import annotations
 
 import asyncio
 import builtins
+import dataclasses
 import json
 import os
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import quote, urljoin, urlsplit
 
 import aiohttp
 from yarl import URL
 
+from vllm_deltasync._urls import redact_url
 from vllm_deltasync.errors import (
     ConfigError,
     NotFoundError,
@@ -44,6 +50,7 @@ from vllm_deltasync.errors import (
     StoreError,
     TransientStoreError,
 )
+from vllm_deltasync.stores import _options
 from vllm_deltasync.stores._hfhttp import (
     ChangeEvent,
     change_event,
@@ -71,6 +78,79 @@ DEFAULT_ENDPOINT = "https://huggingface.co"
 _REDIRECTS = (301, 302, 303, 307, 308)
 
 
+@dataclass(frozen=True, kw_only=True)
+class HfOptions:
+    """How an :class:`HfStore` reaches its bucket. Every field is also a ``store_options`` key.
+
+    The token is kept out of ``repr``. ``retry_policy`` also accepts None (the defaults) or a
+    mapping of :class:`RetryPolicy` fields, and is always a :class:`RetryPolicy` afterwards.
+    Runtime objects (an aiohttp ``session``, the ``uploader`` seam, ``environ``) are not
+    options: they are keyword arguments of :class:`HfStore` (and ``store_options`` keys too).
+    """
+
+    endpoint: str | None = None
+    """Hub host; None: ``HF_ENDPOINT``, else ``https://huggingface.co``."""
+    token: str | bool | None = field(default=None, repr=False)
+    """None or True: ``HF_TOKEN``, else huggingface_hub's chain; False: send none."""
+    part_size: int = 16 << 20
+    """Objects larger than one part are read as parallel ranges of this many bytes."""
+    max_parallel_parts: int = 8
+    request_timeout_s: float | None = 60.0
+    """Longest silence on a socket before the read is retried (None: no limit)."""
+    retry_policy: RetryPolicy = field(default_factory=RetryPolicy)
+
+    def __post_init__(self) -> None:
+        owner = "HfOptions"
+        _options.check_optional_str(owner, "endpoint", self.endpoint)
+        if self.endpoint is not None and not self.endpoint.startswith(("http://", "https://")):
+            raise ConfigError(
+                f"{owner}.endpoint={self.endpoint!r}: use an http(s):// URL such as "
+                f"{DEFAULT_ENDPOINT!r}, or leave it unset for HF_ENDPOINT"
+            )
+        if self.token is not None and not isinstance(self.token, str | bool):
+            raise ConfigError(
+                f"{owner}.token=<{type(self.token).__name__}>: use a token string, False to "
+                "send none, or leave it unset for HF_TOKEN"
+            )
+        _options.check_int(owner, "part_size", self.part_size, 1 << 16, " bytes")
+        _options.check_int(owner, "max_parallel_parts", self.max_parallel_parts, 1)
+        timeout = self.request_timeout_s
+        if timeout is not None and (
+            isinstance(timeout, bool) or not isinstance(timeout, int | float) or timeout <= 0
+        ):
+            raise ConfigError(
+                f"{owner}.request_timeout_s={timeout!r}: use a number of seconds > 0, or None for no limit"
+            )
+        object.__setattr__(self, "retry_policy", _options.retry_policy(owner, self.retry_policy))
+
+    @classmethod
+    def keys(cls) -> tuple[str, ...]:
+        """Every option name (``store_options`` keys of ``hf://`` besides the runtime ones)."""
+        return tuple(f.name for f in dataclasses.fields(cls))
+
+    @classmethod
+    def from_store_options(cls, store_options: Mapping[str, Any]) -> HfOptions:
+        """Options from ``store_options`` keys (over ``options=HfOptions(...)`` if given).
+
+        Unknown keys raise a :class:`ConfigError` that lists the accepted ones; the runtime
+        keys (``session``, ``uploader``, ``environ``) are not options and are refused here.
+        """
+        _options.check_keys("hf", store_options, (*cls.keys(), "options"))
+        given = dict(store_options)
+        found = given.pop("options", None)
+        if found is None:
+            return cls(**given)
+        if not isinstance(found, HfOptions):
+            raise ConfigError(
+                f"options={type(found).__name__}: use an HfOptions, or pass its fields as keys"
+            )
+        return dataclasses.replace(found, **given)
+
+
+_RUNTIME_KEYS = ("session", "uploader", "environ")
+"""``store_options`` keys of ``hf://`` that are runtime objects, passed to HfStore as is."""
+
+
 class HfStore(Store):
     """A prefix inside one Hugging Face Storage Bucket."""
 
@@ -80,46 +160,64 @@ class HfStore(Store):
         self,
         bucket_id: str,
         prefix: str = "",
+        options: HfOptions | None = None,
         *,
-        endpoint: str | None = None,
-        token: str | bool | None = None,
         session: aiohttp.ClientSession | None = None,
         uploader: Uploader | None = None,
-        retry_policy: RetryPolicy | None = None,
-        part_size: int = 16 << 20,
-        max_parallel_parts: int = 8,
-        request_timeout_s: float | None = 60.0,
         environ: Mapping[str, str] | None = None,
     ) -> None:
+        """``session``: an aiohttp session to share (else one of its own, closed by
+        :meth:`close`); ``uploader``: replaces the Xet upload (tests); ``environ``: where
+        ``HF_ENDPOINT`` / ``HF_TOKEN`` are read (default ``os.environ``)."""
         super().__init__()
-        env = os.environ if environ is None else environ
-        if part_size < 1 << 16 or max_parallel_parts < 1:
+        if options is not None and not isinstance(options, HfOptions):
             raise ConfigError(
-                f"hf store {bucket_id!r}: part_size={part_size} max_parallel_parts="
-                f"{max_parallel_parts}; use part_size >= 65536 and max_parallel_parts >= 1"
+                f"hf store {bucket_id!r}: options={type(options).__name__}; use HfOptions(...) "
+                "(or open_store(url, **store_options) for keyword options)"
             )
+        self.options = options if options is not None else HfOptions()
+        env = os.environ if environ is None else environ
         self.bucket_id = bucket_id
         self.prefix = prefix.strip("/")
-        self.endpoint = (endpoint or env.get("HF_ENDPOINT") or DEFAULT_ENDPOINT).rstrip("/")
-        secret = resolve_token(token, env)
+        self.endpoint = (self.options.endpoint or env.get("HF_ENDPOINT") or DEFAULT_ENDPOINT).rstrip("/")
+        secret = resolve_token(self.options.token, env)
         self.__token = lambda: secret  # a closure: never shown by repr() or vars()
         self._session = session
         self._owns_session = session is None
         self._uploader = uploader
-        self.retry_policy = retry_policy or RetryPolicy()
-        self.part_size = part_size
-        self.max_parallel_parts = max_parallel_parts
         self._timeout = aiohttp.ClientTimeout(
-            total=None, sock_connect=30, sock_read=request_timeout_s
+            total=None, sock_connect=30, sock_read=self.options.request_timeout_s
         )
         self.gates = {"api": RateGate("api"), "resolve": RateGate("resolve")}
         self._quota: dict[str, tuple[int, float]] = {}
         self.resumed_bytes = 0
 
     @classmethod
-    def from_url(cls, url: str, **options: Any) -> HfStore:
+    def from_url(cls, url: str, **store_options: Any) -> HfStore:
+        """``open_store("hf://...", **store_options)``: keys are :class:`HfOptions` fields (or
+        ``options=HfOptions(...)``, which the other keys override) and the runtime objects
+        ``session``, ``uploader``, ``environ``."""
         bucket_id, prefix = parse_hf_url(url)
-        return cls(bucket_id, prefix, **options)
+        runtime = {k: store_options.pop(k) for k in _RUNTIME_KEYS if k in store_options}
+        try:
+            _options.check_keys("hf", store_options, (*HfOptions.keys(), "options", *_RUNTIME_KEYS))
+            options = HfOptions.from_store_options(store_options)
+        except ConfigError as exc:
+            raise _options.with_prefix(f"hf store {redact_url(url)}", exc) from None
+        return cls(bucket_id, prefix, options, **runtime)
+
+    # the options most often read back, as before they were grouped in HfOptions
+    @property
+    def part_size(self) -> int:
+        return self.options.part_size
+
+    @property
+    def max_parallel_parts(self) -> int:
+        return self.options.max_parallel_parts
+
+    @property
+    def retry_policy(self) -> RetryPolicy:
+        return self.options.retry_policy
 
     @property
     def url(self) -> str:
@@ -433,4 +531,4 @@ class HfStore(Store):
         self._session = None
 
 
-__all__ = ["ChangeEvent", "HfStore", "Uploader", "parse_hf_url", "resolve_token"]
+__all__ = ["ChangeEvent", "HfOptions", "HfStore", "RetryPolicy", "Uploader", "parse_hf_url", "resolve_token"]

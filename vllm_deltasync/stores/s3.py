@@ -1,13 +1,14 @@
 """S3 and S3-compatible buckets (AWS, R2, GCS interop, MinIO, the Hub's S3 gateway): ``s3://bucket/prefix``.
 
-Built on aiobotocore. Options (``open_store(url, **store_options)``) mirror botocore's:
-``endpoint_url``, ``region_name``, ``addressing_style`` (``"path"`` for the Hub gateway and most
-self-hosted servers), ``aws_access_key_id`` / ``aws_secret_access_key`` / ``aws_session_token``,
-``profile``. Anything not given comes from the standard AWS chain and environment
-(``AWS_ENDPOINT_URL``, ``AWS_REGION``, ``AWS_PROFILE``, shared config, instance roles), read by
-botocore itself. Checksums are computed and validated only when required (the Hub gateway and
-several S3-compatible servers reject the newer default checksum headers); listing is
-ListObjectsV2 only.
+Built on aiobotocore. Options are one :class:`S3Options` (``S3Store(bucket, prefix, options)``)
+or, the same names, keyword arguments of ``open_store(url, **store_options)``; they mirror
+botocore's: ``endpoint_url``, ``region_name``, ``addressing_style`` (``"path"`` for the Hub
+gateway and most self-hosted servers), ``aws_access_key_id`` / ``aws_secret_access_key`` /
+``aws_session_token``, ``profile``. Anything not given comes from the standard AWS chain and
+environment (``AWS_ENDPOINT_URL``, ``AWS_REGION``, ``AWS_PROFILE``, shared config, instance
+roles), read by botocore itself. Checksums are computed and validated only when required (the
+Hub gateway and several S3-compatible servers reject the newer default checksum headers);
+listing is ListObjectsV2 only.
 
 Writes are atomic by nature: one PUT (multipart above ``multipart_threshold``, completed in one
 call). Overwrites are refused with a conditional PUT (``If-None-Match: *``) where the server
@@ -21,14 +22,21 @@ from __future__ import annotations
 import asyncio
 import builtins
 import contextlib
-from collections.abc import Sequence
+import dataclasses
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
+from vllm_deltasync._urls import redact_url
 from vllm_deltasync.errors import AlreadyExistsError, ConfigError, NotFoundError, StoreError
+from vllm_deltasync.stores import _options
 from vllm_deltasync.stores._parts import Chunks, RangedReader, parse_content_range, range_header
 from vllm_deltasync.stores._retry import RetryPolicy, retry
 from vllm_deltasync.stores._s3errors import s3_error
 from vllm_deltasync.stores.base import ObjectInfo, Store, check_path
+
+_ADDRESSING_STYLES = (None, "auto", "path", "virtual")
+_CREDENTIALS = ("aws_access_key_id", "aws_secret_access_key", "aws_session_token")
 
 
 def parse_s3_url(url: str) -> tuple[str, str]:
@@ -40,77 +48,172 @@ def parse_s3_url(url: str) -> tuple[str, str]:
     return bucket, prefix.strip("/")
 
 
+@dataclass(frozen=True, kw_only=True)
+class S3Options:
+    """How an :class:`S3Store` reaches its bucket. Every field is also a ``store_options`` key.
+
+    Unset connection fields (None) come from the AWS chain. Credentials are kept out of
+    ``repr``. ``retry_policy`` also accepts None (the defaults) or a mapping of
+    :class:`RetryPolicy` fields, and is always a :class:`RetryPolicy` afterwards.
+    """
+
+    endpoint_url: str | None = None
+    """R2, MinIO, GCS interop, the Hub gateway; None: AWS chain (``AWS_ENDPOINT_URL``...)."""
+    region_name: str | None = None
+    addressing_style: str | None = None
+    """``path`` (Hub gateway, MinIO, most self-hosted servers), ``virtual`` or ``auto`` (None)."""
+    aws_access_key_id: str | None = field(default=None, repr=False)
+    aws_secret_access_key: str | None = field(default=None, repr=False)
+    aws_session_token: str | None = field(default=None, repr=False)
+    profile: str | None = None
+    """A profile of the shared AWS config files."""
+    conditional_writes: bool = True
+    """Refuse overwrites with ``If-None-Match: *``; False: HEAD then PUT."""
+    multipart_threshold: int = 64 << 20
+    """Objects of at least this many bytes are written as one multipart upload."""
+    part_size: int = 16 << 20
+    """Bytes per multipart part and per parallel ranged read (S3 needs >= 5 MiB)."""
+    max_parallel_parts: int = 8
+    max_pool_connections: int = 32
+    retry_policy: RetryPolicy = field(default_factory=RetryPolicy)
+    """botocore's own retries are off; this policy applies."""
+
+    def __post_init__(self) -> None:
+        owner = "S3Options"
+        for name in ("endpoint_url", "region_name", "profile"):
+            _options.check_optional_str(owner, name, getattr(self, name))
+        for name in _CREDENTIALS:
+            _options.check_optional_str(owner, name, getattr(self, name), secret=True)
+        if self.addressing_style not in _ADDRESSING_STYLES:
+            raise ConfigError(
+                f"{owner}.addressing_style={self.addressing_style!r}: use 'path' (Hub gateway, "
+                "MinIO, most self-hosted servers), 'virtual' or 'auto'"
+            )
+        _options.check_bool(owner, "conditional_writes", self.conditional_writes)
+        _options.check_int(owner, "part_size", self.part_size, 5 << 20, " bytes (S3 parts are at least 5 MiB)")
+        _options.check_int(owner, "multipart_threshold", self.multipart_threshold, 5 << 20, " bytes")
+        if self.multipart_threshold < self.part_size:
+            raise ConfigError(
+                f"{owner}.multipart_threshold={self.multipart_threshold} is below "
+                f"part_size={self.part_size}: raise multipart_threshold to at least part_size"
+            )
+        _options.check_int(owner, "max_parallel_parts", self.max_parallel_parts, 1)
+        _options.check_int(owner, "max_pool_connections", self.max_pool_connections, 1)
+        object.__setattr__(self, "retry_policy", _options.retry_policy(owner, self.retry_policy))
+
+    def credentials(self) -> dict[str, str]:
+        """The explicit credentials that are set, as botocore's ``create_client`` keywords."""
+        return {k: v for k in _CREDENTIALS if (v := getattr(self, k))}
+
+    @classmethod
+    def keys(cls) -> tuple[str, ...]:
+        """Every option name (the ``store_options`` keys of ``s3://``, ``options`` aside)."""
+        return tuple(f.name for f in dataclasses.fields(cls))
+
+    @classmethod
+    def from_store_options(
+        cls, store_options: Mapping[str, Any], base: S3Options | None = None
+    ) -> S3Options:
+        """Options from ``store_options`` keys over ``options=`` if given, else over ``base``
+        (the defaults when None).
+
+        Unknown keys raise a :class:`ConfigError` that lists the accepted ones.
+        """
+        _options.check_keys("s3", store_options, (*cls.keys(), "options"))
+        given = dict(store_options)
+        found = given.pop("options", None)
+        if found is not None and not isinstance(found, S3Options):
+            raise ConfigError(
+                f"options={type(found).__name__}: use an S3Options, or pass its fields as keys"
+            )
+        start = found if found is not None else base
+        return cls(**given) if start is None else dataclasses.replace(start, **given)
+
+
 class S3Store(Store):
     """A prefix inside one S3 bucket."""
 
     scheme = "s3"
 
-    def __init__(
-        self,
-        bucket: str,
-        prefix: str = "",
-        *,
-        endpoint_url: str | None = None,
-        region_name: str | None = None,
-        addressing_style: str | None = None,
-        aws_access_key_id: str | None = None,
-        aws_secret_access_key: str | None = None,
-        aws_session_token: str | None = None,
-        profile: str | None = None,
-        conditional_writes: bool = True,
-        multipart_threshold: int = 64 << 20,
-        part_size: int = 16 << 20,
-        max_parallel_parts: int = 8,
-        max_pool_connections: int = 32,
-        retry_policy: RetryPolicy | None = None,
-    ) -> None:
+    def __init__(self, bucket: str, prefix: str = "", options: S3Options | None = None) -> None:
         super().__init__()
-        if addressing_style not in (None, "auto", "path", "virtual"):
+        if options is not None and not isinstance(options, S3Options):
             raise ConfigError(
-                f"s3 store {bucket!r}: addressing_style={addressing_style!r}; use path, virtual or auto"
-            )
-        if part_size < 5 << 20 or multipart_threshold < part_size:
-            raise ConfigError(
-                f"s3 store {bucket!r}: part_size={part_size} multipart_threshold={multipart_threshold}; "
-                "S3 parts are at least 5 MiB and the threshold must be >= part_size"
+                f"s3 store {bucket!r}: options={type(options).__name__}; use S3Options(...) "
+                "(or open_store(url, **store_options) for keyword options)"
             )
         self.bucket = bucket
         self.prefix = prefix.strip("/")
-        self.endpoint_url = endpoint_url
-        self.region_name = region_name
-        self.addressing_style = addressing_style
-        credentials = {
-            "aws_access_key_id": aws_access_key_id,
-            "aws_secret_access_key": aws_secret_access_key,
-            "aws_session_token": aws_session_token,
-        }
-        kept = {k: v for k, v in credentials.items() if v}
-        self.__credentials = lambda: kept  # a closure: never shown by repr() or vars()
-        self.profile = profile
-        self.conditional_writes = conditional_writes
-        self.multipart_threshold = multipart_threshold
-        self.part_size = part_size
-        self.max_parallel_parts = max_parallel_parts
-        self.max_pool_connections = max_pool_connections
-        self.retry_policy = retry_policy or RetryPolicy()
+        self.options = options if options is not None else S3Options()
+        self.conditional_writes = self.options.conditional_writes
+        """False once the server answered 501 to a conditional PUT (then: HEAD then PUT)."""
         self._client: Any = None
         self._stack: contextlib.AsyncExitStack | None = None
         self._lock = asyncio.Lock()
 
     @classmethod
-    def from_url(cls, url: str, **options: Any) -> S3Store:
+    def from_url(cls, url: str, **store_options: Any) -> S3Store:
+        """``open_store("s3://...", **store_options)``: keys are :class:`S3Options` fields (or
+        ``options=S3Options(...)``, which the other keys override)."""
         bucket, prefix = parse_s3_url(url)
-        return cls(bucket, prefix, **options)
+        try:
+            options = S3Options.from_store_options(store_options)
+        except ConfigError as exc:
+            raise _options.with_prefix(f"s3 store {redact_url(url)}", exc) from None
+        return cls(bucket, prefix, options)
 
     @classmethod
-    def hub_gateway(cls, namespace: str, bucket: str, prefix: str = "", **options: Any) -> S3Store:
-        """The Hub's S3 gateway for bucket ``namespace/bucket`` (credentials: an HF token pair)."""
-        settings = {
+    def hub_gateway(cls, namespace: str, bucket: str, prefix: str = "", **store_options: Any) -> S3Store:
+        """The Hub's S3 gateway for bucket ``namespace/bucket`` (credentials: an HF token pair).
+
+        ``store_options`` as for :meth:`from_url`; what they set overrides the gateway's
+        ``endpoint_url``, ``region_name`` and ``addressing_style``.
+        """
+        gateway = {
             "endpoint_url": f"https://s3.hf.co/{namespace}",
             "region_name": "us-east-1",
             "addressing_style": "path",
         }
-        return cls(bucket, prefix, **{**settings, **options})
+        try:
+            explicit = S3Options.from_store_options(store_options)
+            unset: dict[str, Any] = {
+                k: v
+                for k, v in gateway.items()
+                if k not in store_options and getattr(explicit, k) is None
+            }
+            options = dataclasses.replace(explicit, **unset)
+        except ConfigError as exc:
+            raise _options.with_prefix(f"s3 gateway store {namespace}/{bucket}", exc) from None
+        return cls(bucket, prefix, options)
+
+    # the options most often read back, as before they were grouped in S3Options
+    @property
+    def endpoint_url(self) -> str | None:
+        return self.options.endpoint_url
+
+    @property
+    def region_name(self) -> str | None:
+        return self.options.region_name
+
+    @property
+    def addressing_style(self) -> str | None:
+        return self.options.addressing_style
+
+    @property
+    def multipart_threshold(self) -> int:
+        return self.options.multipart_threshold
+
+    @property
+    def part_size(self) -> int:
+        return self.options.part_size
+
+    @property
+    def max_parallel_parts(self) -> int:
+        return self.options.max_parallel_parts
+
+    @property
+    def retry_policy(self) -> RetryPolicy:
+        return self.options.retry_policy
 
     @property
     def url(self) -> str:
@@ -130,13 +233,13 @@ class S3Store(Store):
                 from aiobotocore.session import AioSession
 
                 config = AioConfig(
-                    s3={"addressing_style": self.addressing_style or "auto"},
+                    s3={"addressing_style": self.options.addressing_style or "auto"},
                     request_checksum_calculation="when_required",
                     response_checksum_validation="when_required",
                     retries={"total_max_attempts": 1},
-                    max_pool_connections=self.max_pool_connections,
+                    max_pool_connections=self.options.max_pool_connections,
                 )
-                session = AioSession(profile=self.profile)
+                session = AioSession(profile=self.options.profile)
                 self._stack = contextlib.AsyncExitStack()
                 self._client = await self._stack.enter_async_context(
                     session.create_client(
@@ -144,7 +247,7 @@ class S3Store(Store):
                         endpoint_url=self.endpoint_url,
                         region_name=self.region_name,
                         config=config,
-                        **self.__credentials(),
+                        **self.options.credentials(),
                     )
                 )
             return self._client
@@ -326,4 +429,4 @@ class S3Store(Store):
         self._client, self._stack = None, None
 
 
-__all__ = ["S3Store", "parse_s3_url"]
+__all__ = ["RetryPolicy", "S3Options", "S3Store", "parse_s3_url"]

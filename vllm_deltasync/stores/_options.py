@@ -1,0 +1,88 @@
+"""Checks shared by the option objects of the network stores (``S3Options``, ``HfOptions``).
+
+Every message names the option and says what to use instead; values of secret options
+(credentials, tokens) are never echoed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from vllm_deltasync.errors import ConfigError
+from vllm_deltasync.stores._retry import RetryPolicy
+
+
+def check_keys(scheme: str, given: Iterable[str], accepted: Iterable[str]) -> None:
+    """Refuse ``store_options`` keys the ``scheme://`` backend does not know, listing the known ones."""
+    known = list(accepted)
+    unknown = [k for k in given if k not in known]
+    if not unknown:
+        return
+    hints = []
+    for key in unknown:
+        close = difflib.get_close_matches(str(key), known, n=1)
+        hints.append(f"{key!r} (did you mean {close[0]!r}?)" if close else repr(key))
+    raise ConfigError(
+        f"{scheme}:// store_options: unknown option{'s' if len(unknown) > 1 else ''} "
+        f"{', '.join(hints)}; accepted: {', '.join(known)}"
+    )
+
+
+def check_int(owner: str, name: str, value: Any, minimum: int, unit: str = "") -> None:
+    """``value`` is an int (not a bool) of at least ``minimum``."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"{owner}.{name}={value!r}: use an integer{unit} >= {minimum}")
+    if value < minimum:
+        raise ConfigError(f"{owner}.{name}={value}: use {minimum}{unit} or more")
+
+
+def check_optional_str(owner: str, name: str, value: Any, *, secret: bool = False) -> None:
+    """``value`` is None or a string (a secret's value is not shown)."""
+    if value is not None and not isinstance(value, str):
+        shown = f"<{type(value).__name__}>" if secret else repr(value)
+        raise ConfigError(f"{owner}.{name}={shown}: use a string, or leave it unset")
+
+
+def check_bool(owner: str, name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise ConfigError(f"{owner}.{name}={value!r}: use True or False")
+
+
+def retry_policy(owner: str, value: Any) -> RetryPolicy:
+    """A :class:`RetryPolicy` from ``None`` (the defaults), a policy, or a mapping of its fields
+    (what a JSON ``store_options`` can carry)."""
+    if value is None:
+        return RetryPolicy()
+    if isinstance(value, RetryPolicy):
+        return value
+    if isinstance(value, Mapping):
+        accepted = [f.name for f in dataclasses.fields(RetryPolicy)]
+        unknown = [k for k in value if k not in accepted]
+        if unknown:
+            raise ConfigError(
+                f"{owner}.retry_policy: unknown field(s) {', '.join(map(repr, unknown))}; "
+                f"accepted: {', '.join(accepted)}"
+            )
+        try:
+            return RetryPolicy(**value)
+        except ConfigError as exc:
+            raise ConfigError(f"{owner}.retry_policy: {exc}") from None
+        except TypeError as exc:  # a comparison of a value of the wrong type
+            raise ConfigError(
+                f"{owner}.retry_policy={dict(value)!r}: attempts is an integer, the delays are numbers of seconds"
+            ) from exc
+    raise ConfigError(
+        f"{owner}.retry_policy={value!r}: use a vllm_deltasync.stores.RetryPolicy, a mapping of "
+        "its fields (attempts, base_delay_s, max_delay_s, max_rate_limit_wait_s) or None"
+    )
+
+
+def with_prefix(where: str, exc: ConfigError) -> ConfigError:
+    """``exc`` with the store it was opening for in front (its class kept)."""
+    return type(exc)(f"{where}: {exc}")
+
+
+__all__ = ["check_bool", "check_int", "check_keys", "check_optional_str", "retry_policy", "with_prefix"]
