@@ -61,6 +61,8 @@ class Codec(abc.ABC):
     """One encoding of chunk payloads."""
 
     name: str = ""
+    version: int = 1
+    """Version of this encoding; a manifest names it (``codec_version``) and a reader refuses newer."""
     dense: bool = False
     """True: a chunk covers the flat element range ``[start, stop)``; no indices."""
     relative: bool = False

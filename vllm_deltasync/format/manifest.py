@@ -25,7 +25,15 @@ from vllm_deltasync.format.layout import manifest_path
 Kind = Literal["anchor", "delta"]
 
 FORMAT_NAME = "vllm-deltasync"
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+"""The newest format version: what the publisher writes and the highest one this reader reads."""
+READS = (1, 2)
+"""Format versions this reader reads (version 1 is read indefinitely)."""
+MIN_READER = {1: "0.1.0", 2: "0.2.0"}
+"""Format version -> the first vllm-deltasync release that reads it (written as ``requires``)."""
+ROLE_DTYPES = ("BF16", "I16", "I32", "I64", "U8")
+"""Safetensors dtypes a v2 chunk role may have."""
+_HEX_ID = re.compile(r"[0-9a-f]{8,64}")
 
 def fingerprint(params: Iterable[tuple[str, Sequence[int], str]]) -> str:
     """``"sha256:<hex>"`` of the parameter set: sorted ``[name, shape, dtype]`` as compact JSON."""
@@ -44,6 +52,51 @@ class FileEntry:
     """Size in bytes."""
     sha256: str
     """Lowercase hex sha256 of the whole file."""
+    index: Mapping[str, tuple[tuple[int, int], ...]] | None = None
+    """v2: tensor name -> its byte ranges ``(offset, length)`` in this file, ascending, merged."""
+
+
+@dataclass(frozen=True)
+class RoleRange:
+    """v2: where one role of one chunk lies in its data file."""
+
+    key: str
+    """Safetensors key (for readers of whole files)."""
+    dtype: str
+    """Safetensors dtype: BF16, I16, I32, I64 or U8."""
+    offset: int
+    """First byte, counted from the start of the file."""
+    length: int
+    """Bytes."""
+
+
+@dataclass(frozen=True)
+class Region:
+    """v2: the flat elements a chunk may touch, and how its local indices map to them.
+
+    Local index ``j`` in ``[0, rows * row_len)`` is flat element
+    ``offset + (j // row_len) * row_stride + j % row_len`` (rows of a column shard). A
+    contiguous region has ``rows == 1``.
+    """
+
+    offset: int
+    rows: int
+    row_len: int
+    row_stride: int
+
+    @property
+    def size(self) -> int:
+        return self.rows * self.row_len
+
+    def to_json(self) -> list[int]:
+        if self.rows == 1:
+            return [self.offset, self.row_len]
+        return [self.offset, self.rows, self.row_len, self.row_stride]
+
+    def intervals(self) -> list[tuple[int, int]]:
+        """Flat ``[start, stop)`` runs covered, ascending."""
+        return [(self.offset + r * self.row_stride, self.offset + r * self.row_stride + self.row_len)
+                for r in range(self.rows)] if self.row_len else []
 
 
 @dataclass(frozen=True)
@@ -60,6 +113,12 @@ class Chunk:
     """End (exclusive) of the same range."""
     meta: dict[str, Any] = field(default_factory=dict)
     """Codec parameters for this chunk (JSON values); empty for dense and sparse-v1."""
+    region: Region | None = None
+    """v2: the elements this chunk may touch (v1: None; ``start``/``stop`` place it)."""
+    roles: Mapping[str, RoleRange] | None = None
+    """v2: role -> byte range in the file."""
+    sha256: str | None = None
+    """v2: sha256 of the chunk's role bytes, roles in sorted name order, concatenated."""
 
     @property
     def count(self) -> int:
@@ -82,7 +141,9 @@ class TensorEntry:
     changed: int
     """Elements that differ from the previous published step (anchors: informative)."""
     chunks: tuple[Chunk, ...]
-    """Where the payload lives, in range order."""
+    """Where the payload lives (v1: in range order; v2: any order)."""
+    codec_version: int = 1
+    """Version of ``encoding`` (every codec of this release is at version 1)."""
 
     @property
     def numel(self) -> int:
@@ -124,6 +185,12 @@ class Manifest:
     totals: Totals
     schema_version: int = SCHEMA_VERSION
     format: str = FORMAT_NAME
+    run_id: str | None = None
+    """v2: the training run (lowercase hex); a chain never crosses runs."""
+    writer: str | None = None
+    """v2: the writer token (lowercase hex): one publisher, or every rank of one sharded job."""
+    requires: str | None = None
+    """v2: the first reader release that reads this manifest, ``"vllm-deltasync>=X.Y.Z"``."""
 
     @property
     def path(self) -> str:
@@ -143,6 +210,8 @@ class Manifest:
         return None
 
     def to_dict(self) -> dict[str, Any]:
+        if self.schema_version >= 2:
+            return _to_dict_v2(self)
         return {
             "format": self.format,
             "schema_version": self.schema_version,
@@ -180,6 +249,38 @@ class Manifest:
             raise FormatError(f"{source}: malformed manifest ({type(exc).__name__}: {exc})") from exc
 
 
+def _to_dict_v2(m: Manifest) -> dict[str, Any]:
+    return {
+        "format": m.format,
+        "schema_version": m.schema_version,
+        "requires": m.requires or f"vllm-deltasync>={MIN_READER[m.schema_version]}",
+        "run_id": m.run_id,
+        "writer": m.writer,
+        "step": m.step,
+        "kind": m.kind,
+        "base_step": m.base_step,
+        "anchor_step": m.anchor_step,
+        "created_at": m.created_at,
+        "fingerprint": m.fingerprint,
+        "files": [{"path": f.path, "size": f.size, "sha256": f.sha256,
+                   "index": {n: [list(r) for r in rs] for n, rs in (f.index or {}).items()}}
+                  for f in m.files],
+        "tensors": [{
+            "name": t.name, "shape": list(t.shape), "dtype": t.dtype, "encoding": t.encoding,
+            "codec_version": t.codec_version, "changed": t.changed,
+            "chunks": [{
+                "file": c.file, "count": c.count,
+                "region": c.region.to_json() if c.region else None,
+                "roles": {r: {"key": v.key, "dtype": v.dtype, "offset": v.offset, "length": v.length}
+                          for r, v in (c.roles or {}).items()},
+                "sha256": c.sha256, "meta": c.meta,
+            } for c in t.chunks],
+        } for t in m.tensors],
+        "totals": {"tensors": m.totals.tensors, "elements": m.totals.elements,
+                   "changed": m.totals.changed, "bytes": m.totals.bytes},
+    }
+
+
 def _tensor_to_dict(t: TensorEntry) -> dict[str, Any]:
     return {
         "name": t.name,
@@ -213,15 +314,14 @@ def _from_dict(doc: Any) -> Manifest:
         raise FormatError("the manifest is not a JSON object")
     if doc.get("format") != FORMAT_NAME:
         raise FormatError(f"format is {doc.get('format')!r}, expected {FORMAT_NAME!r}")
-    if doc.get("schema_version") != SCHEMA_VERSION:
-        raise FormatError(
-            f"schema_version {doc.get('schema_version')!r} is not supported (this reader knows "
-            f"{SCHEMA_VERSION}); upgrade vllm-deltasync"
-        )
+    version = doc.get("schema_version")
+    if version not in READS:
+        raise FormatError(_too_new(version, doc.get("requires")))
     step = _int(doc, "step")
     kind, base, anchor = _chain_fields(doc, step)
-    files = tuple(_file_from_dict(f) for f in doc["files"])
-    tensors = tuple(_tensor_from_dict(t, len(files)) for t in doc["tensors"])
+    files = tuple(_file_from_dict(f, version) for f in doc["files"])
+    sizes = [f.size for f in files]
+    tensors = tuple(_tensor_from_dict(t, sizes, version, doc.get("requires")) for t in doc["tensors"])
     names = [t.name for t in tensors]
     if len(set(names)) != len(names):
         raise FormatError("a tensor name is listed twice")
@@ -235,7 +335,53 @@ def _from_dict(doc: Any) -> Manifest:
     fp = _str(doc, "fingerprint")
     if not re.fullmatch(r"sha256:[0-9a-f]{64}", fp):
         raise FormatError(f"fingerprint {fp!r} is not 'sha256:<64 hex>'")
-    return Manifest(step, kind, base, anchor, float(created), fp, files, tensors, totals)
+    if version == 1:
+        return Manifest(step, kind, base, anchor, float(created), fp, files, tensors, totals,
+                        schema_version=1)
+    run_id, writer, requires = _hex_id(doc, "run_id"), _hex_id(doc, "writer"), _str(doc, "requires")
+    _check_file_index(files, tensors)
+    return Manifest(step, kind, base, anchor, float(created), fp, files, tensors, totals,
+                    schema_version=2, run_id=run_id, writer=writer, requires=requires)
+
+
+def _too_new(version: Any, requires: Any) -> str:
+    """The one-line refusal of a manifest this reader cannot read."""
+    reads = ", ".join(str(v) for v in READS)
+    hint = (f"it needs {requires}" if isinstance(requires, str) and requires
+            else "upgrade vllm-deltasync")
+    return (f"schema_version {version!r} (the format version) is not supported: this reader "
+            f"reads format versions {reads}; {hint}")
+
+
+def _hex_id(doc: Mapping[str, Any], key: str) -> str:
+    value = _str(doc, key)
+    if not _HEX_ID.fullmatch(value):
+        raise FormatError(f"field {key!r} must be 8-64 lowercase hex digits, got {value!r}")
+    return value
+
+
+def _check_file_index(files: Sequence[FileEntry], tensors: Sequence[TensorEntry]) -> None:
+    """Each file's index must be exactly the merged byte ranges of the chunks it holds."""
+    ranges: list[dict[str, list[tuple[int, int]]]] = [{} for _ in files]
+    for t in tensors:
+        for c in t.chunks:
+            for r in (c.roles or {}).values():
+                ranges[c.file].setdefault(t.name, []).append((r.offset, r.length))
+    for f, found in zip(files, ranges, strict=True):
+        expected = {name: merge_ranges(rs) for name, rs in found.items()}
+        if dict(f.index or {}) != expected:
+            raise FormatError(f"the index of {f.path} does not match the byte ranges of its chunks")
+
+
+def merge_ranges(ranges: Iterable[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
+    """Sorted ``(offset, length)`` ranges, adjacent or overlapping ones merged."""
+    out: list[list[int]] = []
+    for off, length in sorted(ranges):
+        if out and off <= out[-1][0] + out[-1][1]:
+            out[-1][1] = max(out[-1][1], off + length - out[-1][0])
+        else:
+            out.append([off, length])
+    return tuple((a, b) for a, b in out)
 
 
 def _chain_fields(doc: Mapping[str, Any], step: int) -> tuple[Kind, int | None, int]:
@@ -253,25 +399,53 @@ def _chain_fields(doc: Mapping[str, Any], step: int) -> tuple[Kind, int | None, 
     return "delta", base, anchor
 
 
-def _file_from_dict(doc: Mapping[str, Any]) -> FileEntry:
+def _file_from_dict(doc: Mapping[str, Any], version: int) -> FileEntry:
     path = _str(doc, "path")
     if path.startswith("/") or ".." in path.split("/"):
         raise FormatError(f"file path {path!r} must be relative to the bucket prefix")
     sha = _str(doc, "sha256")
     if not re.fullmatch(r"[0-9a-f]{64}", sha):
         raise FormatError(f"sha256 of {path!r} is not 64 lowercase hex digits")
-    return FileEntry(path, _int(doc, "size"), sha)
+    size = _int(doc, "size")
+    if version == 1:
+        return FileEntry(path, size, sha)
+    raw = doc["index"]
+    if not isinstance(raw, dict):
+        raise FormatError(f"index of {path!r} must be an object")
+    index = {}
+    for name, ranges in raw.items():
+        if not isinstance(ranges, list) or not all(
+            isinstance(r, list) and len(r) == 2 and all(_is_int(x) and x >= 0 for x in r) for r in ranges
+        ):
+            raise FormatError(f"index of {path!r}: {name!r} must list [offset, length] pairs")
+        index[name] = tuple((int(a), int(b)) for a, b in ranges)
+    return FileEntry(path, size, sha, index)
 
 
-def _tensor_from_dict(doc: Mapping[str, Any], n_files: int) -> TensorEntry:
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _tensor_from_dict(doc: Mapping[str, Any], sizes: Sequence[int], version: int,
+                      requires: Any) -> TensorEntry:
     name = _str(doc, "name")
     shape = tuple(int(d) for d in doc["shape"])
     if any(d < 0 for d in shape):
         raise FormatError(f"tensor {name!r}: negative dimension in {shape}")
-    chunks = tuple(_chunk_from_dict(c, name, n_files) for c in doc["chunks"])
+    if version == 1:
+        chunks = tuple(_chunk_from_dict(c, name, len(sizes)) for c in doc["chunks"])
+        codec_version = 1
+    else:
+        numel = 1
+        for d in shape:
+            numel *= d
+        chunks = tuple(_chunk_v2(c, name, sizes, numel) for c in doc["chunks"])
+        codec_version = _int(doc, "codec_version", minimum=1)
     entry = TensorEntry(
-        name, shape, _str(doc, "dtype"), _str(doc, "encoding"), _int(doc, "changed"), chunks
+        name, shape, _str(doc, "dtype"), _str(doc, "encoding"), _int(doc, "changed"), chunks,
+        codec_version,
     )
+    _check_codec(entry, requires)
     if entry.dtype != "bfloat16":
         raise FormatError(f"tensor {name!r}: dtype {entry.dtype!r} is not 'bfloat16'")
     if entry.changed > entry.numel:
@@ -295,10 +469,72 @@ def _chunk_from_dict(doc: Mapping[str, Any], name: str, n_files: int) -> Chunk:
     return Chunk(file, dict(keys), start, stop, dict(meta))
 
 
+def _check_codec(entry: TensorEntry, requires: Any) -> None:
+    from vllm_deltasync.format.codecs import CODECS  # the table imports this module
+
+    codec = CODECS.get(entry.encoding)
+    if codec is None or entry.codec_version > codec.version:
+        have = ", ".join(f"{n} v{c.version}" for n, c in sorted(CODECS.items()))
+        hint = (f"the manifest says it needs {requires}" if isinstance(requires, str) and requires
+                else "upgrade vllm-deltasync")
+        raise FormatError(f"tensor {entry.name!r}: encoding {entry.encoding!r} version "
+                          f"{entry.codec_version} is unknown to this reader (it reads {have}); {hint}")
+
+
+def _chunk_v2(doc: Mapping[str, Any], name: str, sizes: Sequence[int], numel: int) -> Chunk:
+    file = _int(doc, "file")
+    if file >= len(sizes):
+        raise FormatError(f"tensor {name!r}: chunk names file {file}, the step has {len(sizes)}")
+    count = _int(doc, "count")
+    region = _region(doc["region"], name, numel)
+    if count > region.size:
+        raise FormatError(f"tensor {name!r}: a chunk of {count} elements in a region of {region.size}")
+    meta = doc["meta"]
+    if not isinstance(meta, dict):
+        raise FormatError(f"tensor {name!r}: chunk meta must be an object")
+    raw_roles = doc["roles"]
+    if not isinstance(raw_roles, dict) or not raw_roles:
+        raise FormatError(f"tensor {name!r}: chunk roles must be a non-empty object")
+    roles = {}
+    for role, r in raw_roles.items():
+        rr = RoleRange(_str(r, "key"), _str(r, "dtype"), _int(r, "offset"), _int(r, "length"))
+        if rr.dtype not in ROLE_DTYPES:
+            raise FormatError(f"tensor {name!r}: role {role!r} has dtype {rr.dtype!r}")
+        if rr.offset + rr.length > sizes[file]:
+            raise FormatError(f"tensor {name!r}: role {role!r} bytes [{rr.offset}, "
+                              f"{rr.offset + rr.length}) lie outside its {sizes[file]}-byte file")
+        roles[role] = rr
+    sha = _str(doc, "sha256")
+    if not re.fullmatch(r"[0-9a-f]{64}", sha):
+        raise FormatError(f"tensor {name!r}: chunk sha256 is not 64 lowercase hex digits")
+    return Chunk(file, {k: v.key for k, v in roles.items()}, 0, count, dict(meta), region, roles, sha)
+
+
+def _region(raw: Any, name: str, numel: int) -> Region:
+    if not isinstance(raw, list) or len(raw) not in (2, 4) or not all(_is_int(x) and x >= 0 for x in raw):
+        raise FormatError(f"tensor {name!r}: chunk region must be [offset, length] or "
+                          f"[offset, rows, row_len, row_stride] of integers >= 0, got {raw!r}")
+    if len(raw) == 2:
+        region = Region(raw[0], 1, raw[1], raw[1])
+    else:
+        region = Region(*raw)
+        if region.rows < 1 or region.row_len > region.row_stride:
+            raise FormatError(f"tensor {name!r}: region {raw} needs rows >= 1 and row_len <= row_stride")
+    end = region.offset + (region.rows - 1) * region.row_stride + region.row_len
+    if end > numel:
+        raise FormatError(f"tensor {name!r}: region {raw} ends at {end}, past its {numel} elements")
+    return region
+
+
 __all__ = [
     "FORMAT_NAME",
+    "MIN_READER",
+    "READS",
     "SCHEMA_VERSION",
     "Chunk",
+    "Region",
+    "RoleRange",
+    "merge_ranges",
     "FileEntry",
     "Kind",
     "Manifest",

@@ -30,7 +30,6 @@ from vllm_deltasync.format.layout import (
 )
 from vllm_deltasync.format.manifest import (
     FORMAT_NAME,
-    SCHEMA_VERSION,
     Chunk,
     FileEntry,
     Kind,
@@ -90,7 +89,7 @@ class _Files:
     def flush(self) -> None:
         if not self.tensors:
             return
-        meta = {"format": FORMAT_NAME, "schema_version": str(SCHEMA_VERSION),
+        meta = {"format": FORMAT_NAME, "schema_version": "1",
                 "step": str(self.step), "kind": self.kind}
         data = save_safetensors(self.tensors, metadata=meta)
         path = data_path(self.step, self.token, len(self.entries))
@@ -149,6 +148,7 @@ def write_step(store: Store, loop: BackgroundLoop, step: int, kind: Kind, base_s
         created_at=time.time(), fingerprint=fp, files=file_entries, tensors=tuple(entries),
         totals=Totals(totals[0], totals[1], sum(e.changed for e in entries),
                       sum(f.size for f in file_entries)),
+        schema_version=1,
     )
     loop.run(store.write(manifest_path(step), manifest.to_json()), timeout_s)
     return manifest
