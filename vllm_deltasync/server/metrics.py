@@ -125,7 +125,7 @@ _COUNTERS: tuple[tuple[str, str, str, tuple[str, ...]], ...] = (
     ("switches", "switches", "Weight switches performed by the engine.", ()),
     ("coordinator_failures", "coordinator_failures",
      "Engine-core ticks that failed (a switch taken back by the engine core, a status poll that "
-     "raised), by error class.", ("reason",)),
+     "raised); the error is in the log and /synced.", ()),
 )
 #: (attribute, name without prefix, help, labels, buckets) of every histogram.
 _HISTOGRAMS: tuple[tuple[str, str, str, tuple[str, ...], tuple[float, ...]], ...] = (
@@ -312,7 +312,7 @@ class SyncMetrics:
         once it failed several in a row (then ``/synced`` answers 503)."""
         with self._lock:
             if error is not None:
-                self.coordinator_failures.labels(error_reason(error)).inc()
+                self.coordinator_failures.inc()
                 self._coordinator["last_error"] = f"{error_reason(error)}: {error}"
             elif not failing:
                 self._coordinator["last_error"] = None
