@@ -13,11 +13,19 @@
 One line per switch: step, kind, bytes downloaded, share of elements changed, how many steps
 behind the newest published step the engine was when it switched, the pause between batches,
 and the weight version vLLM attached to the rollouts generated right after.
+
+The console shows that table and warnings only. The full log (vLLM and vllm_deltasync at INFO,
+from every process: this one, the engine core, the trainer) goes to ``<out>/demo.log``, whose
+path is printed at the start and the end. It is set up through ``VLLM_LOGGING_CONFIG_PATH``,
+which every process vLLM starts reads when it imports vLLM.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import logging
+import logging.config
 import multiprocessing as mp
 import os
 import tempfile
@@ -29,9 +37,41 @@ MODEL = {"hidden_size": 256, "num_layers": 4, "num_heads": 8, "num_kv_heads": 4,
          "intermediate_size": 704, "vocab_size": 2000}
 
 
+def logging_config(log_path: Path) -> dict[str, Any]:
+    """``dictConfig`` for every process: warnings on the console, everything at INFO in the file."""
+    to_both = {"handlers": ["console", "file"], "level": "INFO", "propagate": False}
+    return {
+        "version": 1,
+        "disable_existing_loggers": False,
+        "formatters": {
+            "console": {"format": "%(levelname)s [%(name)s] %(message)s"},
+            "file": {"format": "%(asctime)s %(levelname)s %(processName)s pid=%(process)d "
+                               "[%(name)s:%(lineno)d] %(message)s"},
+        },
+        "handlers": {
+            "console": {"class": "logging.StreamHandler", "stream": "ext://sys.stdout",
+                        "level": "WARNING", "formatter": "console"},
+            "file": {"class": "logging.FileHandler", "filename": str(log_path), "mode": "a",
+                     "encoding": "utf-8", "level": "INFO", "formatter": "file"},
+        },
+        "loggers": {
+            "vllm": to_both,
+            "vllm_deltasync": to_both,
+            "py.warnings": {"handlers": ["file"], "level": "WARNING", "propagate": False},
+        },
+    }
+
+
+def setup_logging(config_path: Path) -> None:
+    """Apply the demo's logging config in this process (vLLM re-applies it when imported)."""
+    logging.config.dictConfig(json.loads(config_path.read_text()))
+    logging.captureWarnings(True)
+
+
 def trainer(model_dir: str, url: str, steps: int, interval_s: float, lr: float,
-            engine_ready: Any) -> None:
+            engine_ready: Any, log_config: str) -> None:
     """The trainer process: AdamW in bf16, one publish per optimizer step."""
+    setup_logging(Path(log_config))
     import torch
     from toymodel import load_hf_model
 
@@ -98,6 +138,18 @@ def main() -> None:
     args = parser.parse_args()
     work = Path(args.out or tempfile.mkdtemp(prefix="deltasync-demo-")).resolve()
     work.mkdir(parents=True, exist_ok=True)
+    log_path = work / "demo.log"
+    log_path.write_text("")
+    log_config = work / "logging.json"
+    log_config.write_text(json.dumps(logging_config(log_path), indent=2))
+    # Before vLLM is imported, here and in every process it starts: the console gets warnings,
+    # the file everything (a custom config file is authoritative over VLLM_LOGGING_LEVEL, which
+    # only applies if it is not read).
+    os.environ["VLLM_LOGGING_CONFIG_PATH"] = str(log_config)
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    os.environ.setdefault("TQDM_DISABLE", "1")
+    setup_logging(log_config)
+    print(f"full log (vLLM + vllm_deltasync, INFO): {log_path}", flush=True)
     from toymodel import build_model
 
     model_dir = build_model(work / "model", "llama", **MODEL)
@@ -112,8 +164,9 @@ def main() -> None:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     ctx = mp.get_context("spawn")
     engine_ready = ctx.Event()
-    proc = ctx.Process(target=trainer, args=(str(model_dir), url, args.steps, args.interval_s,
-                                             args.lr, engine_ready))
+    proc = ctx.Process(name="trainer", target=trainer,
+                       args=(str(model_dir), url, args.steps, args.interval_s, args.lr,
+                             engine_ready, str(log_config)))
     proc.start()
     try:
         follow(model_dir, url, args.steps, engine_ready)
@@ -121,6 +174,7 @@ def main() -> None:
         proc.join(timeout=60)
         if proc.is_alive():
             proc.terminate()
+        print(f"full log: {log_path}", flush=True)
 
 
 if __name__ == "__main__":

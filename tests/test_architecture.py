@@ -1,0 +1,192 @@
+"""docs/architecture.md lists every module of the package, and only ``server/extension.py``
+imports vLLM.
+
+The module table is parsed from the doc (rows whose first cell is a backticked ``*.py`` path,
+relative to ``vllm_deltasync/``) and compared with the files; vLLM imports are found with
+``ast`` in each module's source, so nothing here imports vLLM.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+import subprocess
+import sys
+import textwrap
+import warnings
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "vllm_deltasync"
+DOC = ROOT / "docs" / "architecture.md"
+GLUE = "server/extension.py"
+_ROW = re.compile(r"^\|\s*`([^`]+\.py)`\s*\|(.*)$")
+
+
+def package_modules(include_markers: bool = False) -> set[str]:
+    """Every ``*.py`` of the package, relative to it (``server/worker/poller.py``)."""
+    found = set()
+    for path in PACKAGE.rglob("*.py"):
+        rel = path.relative_to(PACKAGE).as_posix()
+        if "__pycache__" in rel:
+            continue
+        if not include_markers and path.name in ("__init__.py", "__main__.py"):
+            continue
+        found.add(rel)
+    return found
+
+
+def doc_table() -> dict[str, list[str]]:
+    """module -> the other cells of its row, from the "## Modules" section of the doc."""
+    text = DOC.read_text(encoding="utf-8")
+    match = re.search(r"^## Modules\s*$(.*?)(?=^## |\Z)", text, re.M | re.S)
+    assert match, f"{DOC} has no '## Modules' section"
+    rows: dict[str, list[str]] = {}
+    for line in match.group(1).splitlines():
+        row = _ROW.match(line.strip())
+        if row is None:
+            continue
+        module = row.group(1)
+        assert module not in rows, f"{module} has two rows in the table of {DOC.name}"
+        rows[module] = [c.strip() for c in row.group(2).rstrip("|").split("|")]
+    assert rows, f"no module rows found in the table of {DOC.name}"
+    return rows
+
+
+def _is_vllm(name: str | None) -> bool:
+    return name is not None and (name == "vllm" or name.startswith("vllm."))
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def _imports_vllm(node: ast.AST) -> bool:
+    if isinstance(node, ast.Import):
+        return any(_is_vllm(a.name) for a in node.names)
+    if isinstance(node, ast.ImportFrom):
+        return node.level == 0 and _is_vllm(node.module)
+    if isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant):
+        name = node.args[0].value
+        called = getattr(node.func, "attr", None) or getattr(node.func, "id", None)
+        return isinstance(name, str) and _is_vllm(name) and called in ("import_module",
+                                                                        "__import__")
+    return False
+
+
+def vllm_imports(source: str, *, module_level_only: bool) -> list[int]:
+    """Line numbers of ``import vllm...`` / ``from vllm... import`` (and
+    ``importlib.import_module("vllm...")``). Module level: statements run at import time,
+    i.e. not inside a function and not under ``if TYPE_CHECKING:``."""
+    lines: list[int] = []
+
+    def visit(node: ast.AST) -> None:
+        if module_level_only and isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef,
+                                                   ast.Lambda)):
+            return
+        if module_level_only and isinstance(node, ast.If) and _is_type_checking(node.test):
+            for child in node.orelse:
+                visit(child)
+            return
+        if _imports_vllm(node):
+            lines.append(node.lineno)
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    with warnings.catch_warnings():  # a module's own invalid escapes are not this test's business
+        warnings.simplefilter("ignore")
+        tree = ast.parse(source)
+    visit(tree)
+    return lines
+
+
+def test_every_module_has_one_row_and_every_row_a_module() -> None:
+    documented = set(doc_table())
+    missing = sorted(package_modules() - documented)
+    assert not missing, (
+        f"modules missing from the table in docs/architecture.md: {missing}; add a row each "
+        "(module | where it runs | role | imports vLLM?)")
+    stale = sorted(documented - package_modules(include_markers=True))
+    assert not stale, f"docs/architecture.md names modules that do not exist: {stale}"
+
+
+def test_rows_have_four_cells_and_a_place_to_run() -> None:
+    places = ("trainer process", "any process", "worker main thread", "worker poller thread",
+              "engine-core busy loop", "CLI")
+    for module, cells in doc_table().items():
+        assert len(cells) == 3, f"{module}: row needs module | where | role | imports vLLM?"
+        where, role, imports = cells
+        assert any(p in where for p in places), f"{module}: 'where it runs' is {where!r}"
+        assert role, f"{module}: empty role"
+        assert imports.strip("*").lower().startswith(("no", "yes")), f"{module}: {imports!r}"
+
+
+def test_only_the_extension_imports_vllm_at_module_level() -> None:
+    offenders = {}
+    for module in sorted(package_modules(include_markers=True)):
+        lines = vllm_imports((PACKAGE / module).read_text(encoding="utf-8"),
+                             module_level_only=True)
+        if lines and module != GLUE:
+            offenders[module] = lines
+    assert not offenders, (
+        f"vLLM imported at module level outside {GLUE} (module: lines): {offenders}; import it "
+        "inside the function that needs it, in server/extension.py")
+
+
+def test_table_says_which_modules_import_vllm() -> None:
+    """A row that says "no" means no vLLM import at all, not even inside a function."""
+    for module, (_, _, imports) in doc_table().items():
+        lines = vllm_imports((PACKAGE / module).read_text(encoding="utf-8"),
+                             module_level_only=False)
+        says_yes = imports.strip("*").lower().startswith("yes")
+        assert says_yes == bool(lines), (
+            f"{module}: the table says imports vLLM = {imports!r}, the source has vLLM imports "
+            f"at lines {lines}")
+    assert doc_table()[GLUE][2].strip("*").lower().startswith("yes")
+
+
+def test_ast_scan_finds_what_it_should() -> None:
+    src = textwrap.dedent("""
+        import os
+        from typing import TYPE_CHECKING
+        if TYPE_CHECKING:
+            from vllm.config import VllmConfig
+        try:
+            import vllm.envs as envs
+        except ImportError:
+            envs = None
+        def f():
+            from vllm import LLM
+        import vllm_deltasync
+    """)
+    assert vllm_imports(src, module_level_only=True) == [7]
+    assert vllm_imports(src, module_level_only=False) == [5, 7, 11]
+
+
+def test_package_imports_without_vllm() -> None:
+    """``import vllm_deltasync`` (and every module but the glue) works where vLLM cannot be
+    imported: ``sys.modules["vllm"] = None`` makes any ``import vllm`` raise."""
+    modules = sorted(
+        "vllm_deltasync." + m[:-3].replace("/", ".").removesuffix(".__init__")
+        for m in package_modules(include_markers=True)
+        if m != GLUE and not m.endswith("__main__.py") and m != "__init__.py"
+    )
+    script = textwrap.dedent(f"""
+        import importlib, sys
+        sys.modules["vllm"] = None
+        import vllm_deltasync
+        assert vllm_deltasync.DeltaPublisher and vllm_deltasync.BucketReader
+        assert not any(m == "vllm" or m.startswith("vllm.") for m in sys.modules
+                       if sys.modules[m] is not None), "vllm got imported"
+        for name in {modules!r}:
+            try:
+                importlib.import_module(name)
+            except ModuleNotFoundError as exc:  # an optional extra (aiobotocore, ...) missing
+                if exc.name == "vllm" or (exc.name or "").startswith("vllm."):
+                    raise
+        print("ok")
+    """)
+    proc = subprocess.run([sys.executable, "-W", "ignore", "-c", script], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-4000:]
