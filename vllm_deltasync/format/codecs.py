@@ -12,7 +12,7 @@ import torch
 
 from vllm_deltasync.errors import FormatError
 from vllm_deltasync.format.codec import Codec, DenseCodec, SparseV1Codec, TensorPatch, check_indices
-from vllm_deltasync.format.manifest import Chunk, TensorEntry
+from vllm_deltasync.format.manifest import Chunk, Region, TensorEntry
 from vllm_deltasync.format.sparse_v2 import SparseV2Codec
 
 CODECS: Mapping[str, Codec] = {
@@ -50,12 +50,31 @@ def decode_chunk(
     except FormatError as exc:
         raise FormatError(f"{source}: tensor {entry.name!r} ({entry.encoding}): {exc}") from exc
     numel = entry.numel
+    region = chunk.region
+    if region is not None:  # v2: local indices in the chunk's region, mapped to flat ones
+        return _in_region(entry, chunk, region, indices, values, relative, source)
     if indices is None:
         if chunk.stop > numel:
             raise FormatError(f"{source}: tensor {entry.name!r}: range end {chunk.stop} > {numel}")
         return TensorPatch(entry.name, entry.shape, None, values, chunk.start, relative)
     check_indices(indices, numel, entry.name, source)
     return TensorPatch(entry.name, entry.shape, indices, values, 0, relative)
+
+
+def _in_region(entry: TensorEntry, chunk: Chunk, region: Region, indices: torch.Tensor | None,
+               values: torch.Tensor, relative: bool, source: str) -> TensorPatch:
+    if indices is None:
+        if region.rows == 1:
+            return TensorPatch(entry.name, entry.shape, None, values, region.offset, relative)
+        local = torch.arange(region.size, dtype=torch.int64)
+    else:
+        local = indices
+        check_indices(local, region.size, entry.name, source)
+    if region.rows == 1:
+        flat = local + region.offset if region.offset else local
+    else:
+        flat = (local // region.row_len) * region.row_stride + local % region.row_len + region.offset
+    return TensorPatch(entry.name, entry.shape, flat, values, 0, relative)
 
 
 __all__ = ["CODECS", "codec_names", "decode_chunk", "get_codec"]

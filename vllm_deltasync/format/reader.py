@@ -1,8 +1,12 @@
 """``BucketReader``: list committed steps, plan chains, download, verify and decode.
 
-Nothing is decoded from a data file before its size and sha256 match the manifest; a
-missing or altered file raises :class:`IntegrityError`, a broken chain :class:`ChainError`.
-The reader never fills a gap silently.
+Format v1: nothing is decoded from a data file before its size and sha256 match the manifest.
+Format v2: the reader range-reads only the byte ranges of the selected tensors' chunks and
+checks each chunk's sha256 before decoding it. A missing or altered file raises
+:class:`IntegrityError`, a broken chain :class:`ChainError`, a manifest that breaks the
+coverage rule (:mod:`~vllm_deltasync.format.coverage`) :class:`FormatError`. The reader never
+fills a gap silently; a consumer applies a step's patches only once ``iter_patches`` has
+finished without an error (the last checks run at its end).
 """
 
 from __future__ import annotations
@@ -25,12 +29,15 @@ from vllm_deltasync.errors import (
 )
 from vllm_deltasync.format.codec import TensorPatch
 from vllm_deltasync.format.codecs import decode_chunk
+from vllm_deltasync.format.coverage import SparseOrder, check_manifest
 from vllm_deltasync.format.layout import MANIFEST_DIR, manifest_path, parse_manifest_path
-from vllm_deltasync.format.manifest import Chunk, FileEntry, Manifest, TensorEntry
+from vllm_deltasync.format.manifest import Chunk, FileEntry, Manifest, TensorEntry, merge_ranges
 from vllm_deltasync.stores import Store, open_store
 
 _MANIFEST_CACHE = 256
 _HASH_IN_THREAD_BYTES = 1 << 20
+_TORCH_DTYPES = {"BF16": torch.bfloat16, "I16": torch.int16, "I32": torch.int32,
+                 "I64": torch.int64, "U8": torch.uint8}
 
 
 class _ByteBudget:
@@ -103,6 +110,10 @@ class BucketReader:
         m = Manifest.from_json(await self.store.read(path), source=source)
         if m.step != step:
             raise FormatError(f"{source}: holds step {m.step}, its name says {step}")
+        try:
+            check_manifest(m)
+        except FormatError as exc:
+            raise FormatError(f"{source}: {exc}") from exc
         self._manifests[step] = m
         if len(self._manifests) > _MANIFEST_CACHE:
             self._manifests.popitem(last=False)
@@ -157,6 +168,11 @@ class BucketReader:
                 f"step {m.step} says its chain starts at anchor {m.anchor_step}, but its base "
                 f"step {base.step} belongs to anchor {base.anchor_step}"
             )
+        if base.run_id != m.run_id:
+            raise ChainError(
+                f"step {m.step} (run {m.run_id}) is based on step {base.step} of run "
+                f"{base.run_id}; a delta chain never crosses runs, wait for the next anchor"
+            )
         if base.fingerprint != m.fingerprint:
             raise FingerprintError(
                 f"step {m.step} and its base step {base.step} have different fingerprints; the "
@@ -168,11 +184,7 @@ class BucketReader:
     async def fetch_file(self, m: Manifest, index: int) -> dict[str, torch.Tensor]:
         """Download data file ``index`` of ``m``, verify size and sha256, then parse it."""
         entry = m.files[index]
-        data = await self._verified_bytes(m, entry)
-        try:
-            return load_safetensors(data)
-        except Exception as exc:  # safetensors raises its own SafetensorError
-            raise FormatError(f"step {m.step}: {entry.path} is not a safetensors file ({exc})") from exc
+        return _load(m, entry, await self._verified_bytes(m, entry))
 
     async def _verified_bytes(self, m: Manifest, entry: FileEntry) -> bytes:
         try:
@@ -198,7 +210,11 @@ class BucketReader:
 
     async def iter_patches(self, m: Manifest, *,
                            select: Callable[[str], bool] | None = None) -> AsyncIterator[TensorPatch]:
-        """Patches of the selected tensors of ``m``, file by file as downloads complete."""
+        """Patches of the selected tensors of ``m``, file by file as downloads complete.
+
+        v1: whole data files, each verified (size, sha256) before decoding. v2: only the byte
+        ranges of the selected tensors' chunks, each chunk verified by its sha256.
+        """
         by_file: dict[int, list[tuple[TensorEntry, Chunk]]] = {}
         for entry in m.tensors:
             if select is None or select(entry.name):
@@ -206,30 +222,97 @@ class BucketReader:
                     by_file.setdefault(chunk.file, []).append((entry, chunk))
         budget = _ByteBudget(self.max_inflight_bytes)
         slots = asyncio.Semaphore(self.max_concurrency)
+        order = SparseOrder(m)
 
-        async def fetch(index: int) -> tuple[int, dict[str, torch.Tensor]]:
-            await budget.acquire(m.files[index].size)
+        def cost(index: int) -> int:
+            if m.schema_version == 1:
+                return m.files[index].size
+            return sum(length for _, length in _chunk_ranges(by_file[index]))
+
+        async def fetch(index: int) -> tuple[int, list[TensorPatch]]:
+            await budget.acquire(cost(index))
             try:
                 async with slots:
-                    return index, await self.fetch_file(m, index)
+                    if m.schema_version == 1:
+                        return index, self._decode_file(m, index, await self.fetch_file(m, index),
+                                                        by_file[index])
+                    return index, await self._fetch_chunks(m, index, by_file[index])
             except BaseException:
-                await budget.release(m.files[index].size)
+                await budget.release(cost(index))
                 raise
 
         tasks = [asyncio.ensure_future(fetch(i)) for i in sorted(by_file)]
         try:
             for next_done in asyncio.as_completed(tasks):
-                index, tensors = await next_done
-                source = f"step {m.step}: {m.files[index].path}"
-                patches = [decode_chunk(e, c, tensors, source=source) for e, c in by_file[index]]
-                del tensors
-                await budget.release(m.files[index].size)
+                index, patches = await next_done
+                await budget.release(cost(index))
+                for (_, chunk), patch in zip(by_file[index], patches, strict=True):
+                    order.add(chunk.start, patch)
                 for patch in patches:
                     yield patch
+            order.check()
         finally:
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+
+    def _decode_file(self, m: Manifest, index: int, tensors: Mapping[str, torch.Tensor],
+                     pairs: list[tuple[TensorEntry, Chunk]]) -> list[TensorPatch]:
+        source = f"step {m.step}: {m.files[index].path}"
+        return [decode_chunk(e, c, tensors, source=source) for e, c in pairs]
+
+    async def _fetch_chunks(self, m: Manifest, index: int,
+                            pairs: list[tuple[TensorEntry, Chunk]]) -> list[TensorPatch]:
+        """v2: range-read the chunks' bytes (adjacent ranges merged), verify, decode."""
+        entry = m.files[index]
+        parts: list[tuple[int, bytes]] = []
+        for offset, length in _chunk_ranges(pairs):
+            try:
+                data = await self.store.read(entry.path, offset, offset + length)
+            except NotFoundError as exc:
+                raise IntegrityError(
+                    f"step {m.step}: data file {entry.path} listed in its manifest is missing"
+                ) from exc
+            if len(data) != length:
+                raise IntegrityError(f"step {m.step}: data file {entry.path}: bytes [{offset}, "
+                                     f"{offset + length}) came back as {len(data)} bytes; the file is truncated")
+            parts.append((offset, data))
+
+        def get(offset: int, length: int) -> memoryview:
+            for start, data in parts:
+                if start <= offset and offset + length <= start + len(data):
+                    return memoryview(data)[offset - start : offset - start + length]
+            raise AssertionError("a chunk range outside the fetched ranges")  # pragma: no cover
+
+        return [self._chunk_patch(m, e, c, get) for e, c in pairs]
+
+    def _chunk_patch(self, m: Manifest, entry: TensorEntry, chunk: Chunk,
+                     get: Callable[[int, int], memoryview]) -> TensorPatch:
+        """v2: check the chunk's sha256 over its role bytes, then decode it."""
+        assert chunk.roles is not None
+        path = m.files[chunk.file].path
+        digest = hashlib.sha256()
+        views = {}
+        for role in sorted(chunk.roles):
+            r = chunk.roles[role]
+            views[role] = get(r.offset, r.length)
+            digest.update(views[role])
+        if digest.hexdigest() != chunk.sha256:
+            raise IntegrityError(
+                f"step {m.step}: tensor {entry.name!r}: a chunk in {path} has sha256 "
+                f"{digest.hexdigest()[:16]}..., its manifest says {(chunk.sha256 or '')[:16]}...; "
+                "the data is corrupt"
+            )
+        tensors = {}
+        for role, view in views.items():
+            r = chunk.roles[role]
+            dtype = _TORCH_DTYPES[r.dtype]
+            if r.length % dtype.itemsize:
+                raise FormatError(f"step {m.step}: tensor {entry.name!r}: role {role!r} is "
+                                  f"{r.length} bytes, not a whole number of {r.dtype}")
+            tensors[r.key] = (torch.frombuffer(bytearray(view), dtype=dtype) if r.length
+                              else torch.empty(0, dtype=dtype))
+        return decode_chunk(entry, chunk, tensors, source=f"step {m.step}: {path}")
 
     async def read_full(self, step: int | None = None) -> dict[str, torch.Tensor]:
         """Every tensor of ``step`` (newest if None) rebuilt from its anchor and deltas."""
@@ -238,7 +321,6 @@ class BucketReader:
             raise ChainError(f"{self.store.url} holds no committed step")
         anchor = chain[0]
         state = {e.name: torch.empty(e.numel, dtype=torch.bfloat16) for e in anchor.tensors}
-        _check_anchor(anchor)
         async for patch in self.iter_patches(anchor):
             patch.apply_to(state[patch.name])
         for m in chain[1:]:
@@ -263,42 +345,54 @@ class BucketReader:
                 problems.append(str(exc))
         slots = asyncio.Semaphore(self.max_concurrency)
 
-        async def check(m: Manifest, entry: FileEntry) -> str | None:
+        async def check(m: Manifest, index: int) -> list[str | tuple[int, int, int, TensorPatch]]:
+            pairs = [(e, c) for e in m.tensors for c in e.chunks if c.file == index]
             async with slots:
                 try:
-                    await self._verified_bytes(m, entry)
-                except IntegrityError as exc:
-                    return str(exc)
-            return None
-
-        checks = [check(m, f) for m in manifests.values() for f in m.files]
-        problems += [p for p in await asyncio.gather(*checks) if p]
-        for m in manifests.values():
-            problems += _chain_problems(m, manifests)
-            if m.kind == "anchor":
-                try:
-                    _check_anchor(m)
+                    data = await self._verified_bytes(m, m.files[index])
+                    if m.schema_version == 1:
+                        return [(m.step, index, c.start, p) for (_, c), p in zip(
+                            pairs, self._decode_file(m, index, _load(m, m.files[index], data), pairs),
+                            strict=True)]
+                    view = memoryview(data)
+                    return [(m.step, index, c.start,
+                             self._chunk_patch(m, e, c, lambda o, n: view[o : o + n]))
+                            for e, c in pairs]
                 except FormatError as exc:
-                    problems.append(str(exc))
+                    return [str(exc)]
+
+        results = await asyncio.gather(*(check(m, i) for m in manifests.values()
+                                         for i in range(len(m.files))))
+        orders = {step: SparseOrder(m) for step, m in manifests.items()}
+        for result in results:
+            for item in result:
+                if isinstance(item, str):
+                    problems.append(item)
+                else:
+                    step, _, start, patch = item
+                    orders[step].add(start, patch)
+        for m in manifests.values():
+            try:
+                orders[m.step].check()
+            except FormatError as exc:
+                problems.append(str(exc))
+            problems += _chain_problems(m, manifests)
         return problems
+
+
+def _chunk_ranges(pairs: list[tuple[TensorEntry, Chunk]]) -> tuple[tuple[int, int], ...]:
+    return merge_ranges((r.offset, r.length) for _, c in pairs for r in (c.roles or {}).values())
+
+
+def _load(m: Manifest, entry: FileEntry, data: bytes) -> dict[str, torch.Tensor]:
+    try:
+        return load_safetensors(data)
+    except Exception as exc:  # safetensors raises its own SafetensorError
+        raise FormatError(f"step {m.step}: {entry.path} is not a safetensors file ({exc})") from exc
 
 
 def _sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
-
-
-def _check_anchor(m: Manifest) -> None:
-    """Each tensor of an anchor is dense and its chunks tile it exactly, in order."""
-    if len(m.tensors) != m.totals.tensors:
-        raise FormatError(f"anchor {m.step} lists {len(m.tensors)} tensors, its totals say {m.totals.tensors}")
-    for entry in m.tensors:
-        position = 0
-        for chunk in entry.chunks:
-            if chunk.start != position:
-                raise FormatError(f"anchor {m.step}: tensor {entry.name!r} has a gap or overlap at {position}")
-            position = chunk.stop
-        if entry.encoding != "dense" or position != entry.numel:
-            raise FormatError(f"anchor {m.step}: tensor {entry.name!r} does not cover its {entry.numel} elements densely")
 
 
 def _chain_problems(m: Manifest, manifests: Mapping[int, Manifest]) -> list[str]:
@@ -311,6 +405,9 @@ def _chain_problems(m: Manifest, manifests: Mapping[int, Manifest]) -> list[str]
     problems = []
     if base.anchor_step != m.anchor_step:
         problems.append(f"step {m.step}: chain says anchor {m.anchor_step}, base step {base.step} says {base.anchor_step}")
+    if base.run_id != m.run_id:
+        problems.append(f"step {m.step}: run {m.run_id}, its base step {base.step} is of run "
+                        f"{base.run_id}; a chain never crosses runs")
     if base.fingerprint != m.fingerprint:
         problems.append(f"step {m.step}: fingerprint differs from its base step {base.step}")
     walk = base
