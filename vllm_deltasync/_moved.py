@@ -1,6 +1,6 @@
 """Old import paths of modules that moved when the package was split by runtime.
 
-``import vllm_deltasync.publisher`` (and the nine other flat paths of 0.1) still works: the
+``import vllm_deltasync.publisher`` (and the other flat paths of 0.1 listed in :data:`MOVED`) still works: the
 finder below hands back the module at its new path, registered under the old name too, with a
 :class:`DeprecationWarning` naming the new path. Nothing inside the package uses these names.
 """
@@ -35,6 +35,7 @@ MOVED: dict[str, str] = {
 class _Alias(importlib.abc.Loader):
     def __init__(self, new: str) -> None:
         self.new = new
+        self.spec: importlib.machinery.ModuleSpec | None = None
 
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType:
         warnings.warn(
@@ -44,12 +45,15 @@ class _Alias(importlib.abc.Loader):
             stacklevel=_caller_level(),
         )
         module = importlib.import_module(self.new)
+        self.spec = module.__spec__
         return module
 
     def exec_module(self, module: ModuleType) -> None:
-        # The module is already executed at its new path. importlib stores it in sys.modules
-        # under the old name after this returns; the new name keeps it too.
-        return None
+        # The module already ran at its new path; importlib then stores it in sys.modules under
+        # the old name too. It overwrote ``__spec__`` with the alias's: put the real one back,
+        # so reload() and pickling by module name keep using the new path.
+        module.__spec__ = self.spec
+        module.__loader__ = self.spec.loader if self.spec is not None else None
 
 
 class _Finder(importlib.abc.MetaPathFinder):

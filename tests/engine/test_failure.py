@@ -153,8 +153,11 @@ def test_failed_switch_is_taken_back_and_the_engine_keeps_serving(tmp_path: Path
                 publish(step)
             wait_applied(llm, 10)
             assert _digests_equal_checkpoint(llm, trainer.save(tmp_path / "ckpt-10"))
-            code, body = _get(f"{base}/synced")
-            assert code == 200 and not json.loads(body)["coordinator"]["failing"], body
+            deadline = time.monotonic() + 30  # metrics follow at the engine core's next tick
+            while (code_body := _get(f"{base}/synced"))[0] != 200:
+                assert time.monotonic() < deadline, code_body
+                time.sleep(0.1)
+            assert not json.loads(code_body[1])["coordinator"]["failing"], code_body
             final = engine_status(llm)
         finally:
             close_llm(llm)
