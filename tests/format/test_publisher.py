@@ -170,13 +170,14 @@ def test_failed_manifest_write_hides_the_step_and_next_is_an_anchor(tmp_path: Pa
 def test_retention_keeps_the_newest_chains_and_drops_orphans(bucket: str) -> None:
     root = Path(bucket[7:])
     trainer = Trainer()
-    publish_run(bucket, range(5), trainer, anchor_every=3, keep_anchors=2)
+    token = "5eed5eed5eed5eed"  # a restart of the same job resumes its writer token
+    publish_run(bucket, range(5), trainer, anchor_every=3, keep_anchors=2, writer_token=token)
     (root / "data" / "000000000003-dead").mkdir()
     (root / "data" / "000000000003-dead" / "00000.safetensors").write_bytes(b"killed attempt")
     (root / "data" / "000000000099-beef").mkdir()  # a newer, in-flight attempt: kept
     (root / "data" / "000000000099-beef" / "00000.safetensors").write_bytes(b"in flight")
     truth = {}
-    with DeltaPublisher(bucket, anchor_every=3, keep_anchors=2) as pub:
+    with DeltaPublisher(bucket, anchor_every=3, keep_anchors=2, writer_token=token) as pub:
         for step in range(5, 20):
             trainer.step()
             pub.publish(step, trainer.weights)

@@ -8,11 +8,13 @@ chunks, packs chunks into safetensors files of about ``max_file_bytes``, writes 
 from __future__ import annotations
 
 import hashlib
+import json
 import secrets
 import time
 from collections.abc import MutableMapping
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from safetensors.torch import save as save_safetensors
@@ -22,20 +24,26 @@ from vllm_deltasync.errors import FormatError
 from vllm_deltasync.format.codec import Codec
 from vllm_deltasync.format.codecs import get_codec
 from vllm_deltasync.format.layout import (
+    attempt_token,
     data_dir,
     data_path,
     manifest_path,
     parse_data_path,
     parse_manifest_path,
+    token_writer,
 )
 from vllm_deltasync.format.manifest import (
     FORMAT_NAME,
+    SCHEMA_VERSION,
     Chunk,
     FileEntry,
     Kind,
     Manifest,
+    Region,
+    RoleRange,
     TensorEntry,
     Totals,
+    merge_ranges,
 )
 from vllm_deltasync.stores import Store
 
@@ -57,22 +65,45 @@ class StepItem:
     """bf16 base values at ``indices`` (deltas), else None."""
 
 
+@dataclass
+class _PendingChunk:
+    """A chunk whose file is not written yet (v2 byte ranges and digest come at flush)."""
+
+    owner: str
+    keys: dict[str, str]
+    start: int
+    stop: int
+    meta: dict[str, Any]
+    region: Region | None
+    file: int = -1
+    roles: dict[str, RoleRange] = field(default_factory=dict)
+    sha256: str | None = None
+
+    def chunk(self) -> Chunk:
+        if self.region is None:
+            return Chunk(self.file, self.keys, self.start, self.stop, self.meta)
+        return Chunk(self.file, self.keys, 0, self.stop - self.start, self.meta, self.region,
+                     self.roles, self.sha256)
+
+
 class _Files:
     """Packs chunk tensors into safetensors files and writes them as they fill up."""
 
     def __init__(self, store: Store, loop: BackgroundLoop, step: int, kind: Kind,
-                 max_file_bytes: int, timeout_s: float) -> None:
+                 max_file_bytes: int, timeout_s: float, version: int, writer: str | None) -> None:
         self.store, self.loop, self.step, self.kind = store, loop, step, kind
-        self.max_file_bytes, self.timeout_s = max_file_bytes, timeout_s
-        self.token = secrets.token_hex(8)
+        self.max_file_bytes, self.timeout_s, self.version = max_file_bytes, timeout_s, version
+        attempt = secrets.token_hex(8)
+        self.token = attempt if writer is None else attempt_token(writer, attempt)
         self.entries: list[FileEntry] = []
         self.tensors: dict[str, torch.Tensor] = {}
         self.owners: set[str] = set()
+        self.chunks: list[_PendingChunk] = []
         self.size = 0
         self.pending: list[Future[None]] = []
 
-    def add(self, owner: str, tensors: dict[str, torch.Tensor]) -> int:
-        """Put one chunk's tensors (key -> tensor) in the current file; returns its index."""
+    def add(self, owner: str, tensors: dict[str, torch.Tensor], chunk: _PendingChunk) -> None:
+        """Put one chunk's tensors (key -> tensor) in the current file; sets ``chunk.file``."""
         nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
         if self.tensors and self.size + nbytes > self.max_file_bytes:
             self.flush()
@@ -84,17 +115,19 @@ class _Files:
             self.tensors[key] = tensor
         self.owners.add(owner)
         self.size += nbytes
-        return len(self.entries)
+        chunk.file = len(self.entries)
+        self.chunks.append(chunk)
 
     def flush(self) -> None:
         if not self.tensors:
             return
-        meta = {"format": FORMAT_NAME, "schema_version": "1",
+        meta = {"format": FORMAT_NAME, "schema_version": str(self.version),
                 "step": str(self.step), "kind": self.kind}
         data = save_safetensors(self.tensors, metadata=meta)
         path = data_path(self.step, self.token, len(self.entries))
-        self.entries.append(FileEntry(path, len(data), hashlib.sha256(data).hexdigest()))
-        self.tensors, self.owners, self.size = {}, set(), 0
+        index = _locate(data, self.chunks) if self.version >= 2 else None
+        self.entries.append(FileEntry(path, len(data), hashlib.sha256(data).hexdigest(), index))
+        self.tensors, self.owners, self.chunks, self.size = {}, set(), [], 0
         self.pending.append(self.loop.submit(self.store.write(path, data)))
         if len(self.pending) >= MAX_WRITES_IN_FLIGHT:
             self.pending.pop(0).result(self.timeout_s)
@@ -116,51 +149,100 @@ class _Files:
         return tuple(self.entries)
 
 
-def _encode_item(item: StepItem, codec: Codec, files: _Files) -> TensorEntry:
+def _locate(data: bytes, chunks: list[_PendingChunk]) -> dict[str, tuple[tuple[int, int], ...]]:
+    """v2: fill each chunk's role byte ranges and sha256 from the file; return the file index."""
+    header_len = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8 : 8 + header_len])
+    base = 8 + header_len
+    view = memoryview(data)
+    ranges: dict[str, list[tuple[int, int]]] = {}
+    for chunk in chunks:
+        digest = hashlib.sha256()
+        for role in sorted(chunk.keys):
+            info = header[chunk.keys[role]]
+            begin, end = info["data_offsets"]
+            rr = RoleRange(chunk.keys[role], info["dtype"], base + begin, end - begin)
+            chunk.roles[role] = rr
+            digest.update(view[rr.offset : rr.offset + rr.length])
+            ranges.setdefault(chunk.owner, []).append((rr.offset, rr.length))
+        chunk.sha256 = digest.hexdigest()
+    return {name: merge_ranges(rs) for name, rs in ranges.items()}
+
+
+def _encode_item(item: StepItem, codec: Codec, files: _Files) -> list[_PendingChunk]:
     count = item.new_values.numel()
     per_chunk = max(1, files.max_file_bytes // codec.max_bytes_per_element)
-    chunks: list[Chunk] = []
+    chunks: list[_PendingChunk] = []
     for start in range(0, count, per_chunk):
         stop = min(count, start + per_chunk)
         indices = None if item.indices is None else item.indices[start:stop]
+        region = None
+        if files.version >= 2:  # the chunk's own index space: [first, last] of its indices
+            if indices is None:
+                region = Region(start, 1, stop - start, stop - start)
+            else:
+                first, last = int(indices[0]), int(indices[-1])
+                region = Region(first, 1, last - first + 1, last - first + 1)
+                indices = indices - first
         old = None if item.old_values is None else item.old_values[start:stop]
         roles, meta = codec.encode(indices, item.new_values[start:stop], old)
         keys = {role: codec.key(item.name, role, start) for role in roles}
-        index = files.add(item.name, {keys[r]: t.reshape(-1).contiguous() for r, t in roles.items()})
-        chunks.append(Chunk(index, keys, start, stop, dict(meta)))
-    return TensorEntry(item.name, item.shape, "bfloat16", codec.name, item.changed, tuple(chunks))
+        pending = _PendingChunk(item.name, keys, start, stop, dict(meta), region)
+        files.add(item.name, {keys[r]: t.reshape(-1).contiguous() for r, t in roles.items()}, pending)
+        chunks.append(pending)
+    return chunks
 
 
 def write_step(store: Store, loop: BackgroundLoop, step: int, kind: Kind, base_step: int | None,
                anchor_step: int, fp: str, totals: tuple[int, int], items: list[StepItem], *,
-               codec: str, max_file_bytes: int, timeout_s: float) -> Manifest:
-    """Write the data files of one step, then its manifest. Returns the committed manifest."""
-    files = _Files(store, loop, step, kind, max_file_bytes, timeout_s)
+               codec: str, max_file_bytes: int, timeout_s: float, version: int = SCHEMA_VERSION,
+               run_id: str | None = None, writer: str | None = None) -> Manifest:
+    """Write the data files of one step, then its manifest. Returns the committed manifest.
+
+    ``version`` 2 (default) needs ``run_id`` and ``writer`` (lowercase hex); 1 writes the old
+    format (no writer token, chunks placed by position).
+    """
+    if version not in (1, 2) or (version == 2 and not (run_id and writer)):
+        raise FormatError(f"write_step: format version {version!r} needs run_id and writer (v2) or is unknown")
+    files = _Files(store, loop, step, kind, max_file_bytes, timeout_s, version,
+                   writer if version >= 2 else None)
     dense, sparse = get_codec("dense"), get_codec(codec)
-    entries = []
+    pending = []
     try:
         for item in items:
-            entries.append(_encode_item(item, dense if item.indices is None else sparse, files))
+            codec_of = dense if item.indices is None else sparse
+            pending.append((item, codec_of, _encode_item(item, codec_of, files)))
     finally:
         file_entries = files.finish()
+    entries = tuple(
+        TensorEntry(item.name, item.shape, "bfloat16", c.name, item.changed,
+                    tuple(p.chunk() for p in chunks), c.version)
+        for item, c, chunks in pending
+    )
     manifest = Manifest(
         step=step, kind=kind, base_step=base_step, anchor_step=anchor_step,
-        created_at=time.time(), fingerprint=fp, files=file_entries, tensors=tuple(entries),
+        created_at=time.time(), fingerprint=fp, files=file_entries, tensors=entries,
         totals=Totals(totals[0], totals[1], sum(e.changed for e in entries),
                       sum(f.size for f in file_entries)),
-        schema_version=1,
+        schema_version=version, run_id=run_id if version >= 2 else None,
+        writer=writer if version >= 2 else None,
     )
     loop.run(store.write(manifest_path(step), manifest.to_json()), timeout_s)
     return manifest
 
 
 async def retain(store: Store, keep_anchors: int,
-                 known: MutableMapping[int, tuple[str, frozenset[str]]]) -> list[str]:
-    """Delete steps older than the ``keep_anchors``-th newest anchor and orphaned data.
+                 known: MutableMapping[int, tuple[str, frozenset[str], str | None]], *,
+                 writer: str | None = None) -> list[str]:
+    """Delete this writer's steps older than its ``keep_anchors``-th newest anchor, and its orphans.
 
-    Orphans are data folders of steps at or before the newest committed step that its
-    manifest does not reference (attempts killed before their manifest). ``known`` caches
-    ``step -> (kind, data folders)`` between calls. Returns the deleted paths.
+    ``writer``: the writer token (format v2). Only manifests and data folders carrying it are
+    deleted, plus v1 (anonymous) steps older than the cutoff; another writer's manifests and
+    data are never touched. ``writer=None`` (a v1 publisher) keeps the v1 rules: every step
+    older than the cutoff and every orphan at or before the newest step. Orphans are data
+    folders of steps at or before the writer's newest committed step that the manifest of that
+    step does not reference (attempts killed before their manifest). ``known`` caches
+    ``step -> (kind, data folders, writer)`` between calls. Returns the deleted paths.
     """
     objects = await store.list()
     manifests = {s: o.path for o in objects if (s := parse_manifest_path(o.path)) is not None}
@@ -170,18 +252,32 @@ async def retain(store: Store, keep_anchors: int,
         try:
             m = Manifest.from_json(await store.read(manifests[step]), source=manifests[step])
         except FormatError:
-            continue  # unreadable: never an anchor, and its data is kept unless too old
-        known[step] = (m.kind, frozenset(f.path.rsplit("/", 1)[0] for f in m.files))
-    anchors = sorted(s for s in manifests if s in known and known[s][0] == "anchor")
+            continue  # unreadable: never an anchor, and nobody's to delete unless v1 and too old
+        known[step] = (m.kind, frozenset(f.path.rsplit("/", 1)[0] for f in m.files), m.writer)
+
+    def owner(step: int) -> str | None:
+        return known[step][2] if step in known else None
+
+    mine = [s for s in manifests if s in known and owner(s) == writer]
+    anchors = sorted(s for s in mine if known[s][0] == "anchor")
     cutoff = anchors[-keep_anchors] if len(anchors) >= keep_anchors else -1
-    newest = max(manifests)
-    doomed_manifests = [p for s, p in manifests.items() if s < cutoff]
+    newest = max(mine) if writer is not None and mine else max(manifests)
+    if writer is None:
+        doomed_steps = [s for s in manifests if s < cutoff]
+    else:  # own steps, and v1 steps (anonymous, readable) that are older than the cutoff
+        doomed_steps = [s for s in manifests if s < cutoff and s in known and owner(s) in (writer, None)]
+    doomed_manifests = [manifests[s] for s in doomed_steps]
     doomed_data = []
     for o in objects:
         parsed = parse_data_path(o.path)
         if parsed is None:
             continue
         step, token = parsed
+        by = token_writer(token)
+        if writer is not None and by != writer:
+            if by is None and step < cutoff and (step not in manifests or step in doomed_steps):
+                doomed_data.append(o.path)  # v1 (anonymous) data of a deleted or absent step
+            continue
         orphan = step <= newest and (
             step not in manifests or (step in known and data_dir(step, token) not in known[step][1])
         )
@@ -189,6 +285,6 @@ async def retain(store: Store, keep_anchors: int,
             doomed_data.append(o.path)
     await store.delete(doomed_manifests)  # manifests first: no reader sees a step losing data
     await store.delete(doomed_data)
-    for step in [s for s in known if s < cutoff]:
+    for step in [s for s in known if s in doomed_steps]:
         del known[step]
     return doomed_manifests + doomed_data

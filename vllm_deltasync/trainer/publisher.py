@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import logging
 import queue
+import re
+import secrets
 import threading
 import time
 from collections import deque
@@ -32,10 +34,10 @@ import numpy as np
 import torch
 
 from vllm_deltasync._loop import BackgroundLoop, default_loop
-from vllm_deltasync.errors import ConfigError, FormatError, PublishError
+from vllm_deltasync.errors import AlreadyExistsError, ConfigError, FormatError, PublishError
 from vllm_deltasync.format.codecs import get_codec
-from vllm_deltasync.format.layout import MANIFEST_DIR, parse_manifest_path
-from vllm_deltasync.format.manifest import Kind, Manifest, fingerprint
+from vllm_deltasync.format.layout import MANIFEST_DIR, manifest_path, parse_manifest_path
+from vllm_deltasync.format.manifest import SCHEMA_VERSION, Kind, Manifest, fingerprint
 from vllm_deltasync.format.writer import StepItem, retain, write_step
 from vllm_deltasync.stores import Store, open_store
 
@@ -91,6 +93,9 @@ class DeltaPublisher:
         store_options: Mapping[str, Any] | None = None,
         on_commit: Callable[[Manifest], None] | None = None,
         timeout_s: float = 600.0,
+        run_id: str | None = None,
+        writer_token: str | None = None,
+        format_version: int = SCHEMA_VERSION,
     ) -> None:
         """
         Args:
@@ -105,6 +110,16 @@ class DeltaPublisher:
             store_options: passed to the store backend.
             on_commit: called on the upload thread with each committed manifest.
             timeout_s: limit for one store operation seen from the upload thread.
+            run_id: the training run (8-64 lowercase hex; random if None). Readers never
+                follow a delta chain across runs: give a new one to a run restarted from an
+                earlier checkpoint, the same one to a run that continues.
+            writer_token: this writer (8-64 lowercase hex; random if None). Every rank of one
+                sharded job passes the same token (one job is one writer); a restarted job
+                may pass its previous token to clean up its own earlier data. Retention never
+                deletes what another token wrote, and a step committed by another token on
+                this prefix stops this publisher with a PublishError naming it.
+            format_version: 2 (default) or 1 (for readers older than vllm-deltasync 0.2.0:
+                no writer token, no ranged reads).
         """
         _check_options(anchor_every, keep_anchors, max_file_bytes, max_pending_steps)
         try:
@@ -113,6 +128,14 @@ class DeltaPublisher:
             raise ConfigError(f"DeltaPublisher: {exc}") from exc
         if dense:
             raise ConfigError(f"codec {codec!r} is dense; deltas need a sparse codec such as 'sparse-v1'")
+        if format_version not in (1, 2):
+            raise ConfigError(f"DeltaPublisher: format_version={format_version!r} must be 1 or 2")
+        for label, token in (("run_id", run_id), ("writer_token", writer_token)):
+            if token is not None and not re.fullmatch(r"[0-9a-f]{8,64}", token):
+                raise ConfigError(f"DeltaPublisher: {label}={token!r} must be 8-64 lowercase hex digits")
+        self.format_version = format_version
+        self.run_id = run_id or secrets.token_hex(8)
+        self.writer_token = writer_token or secrets.token_hex(8)
         self.url = url
         self.anchor_every = anchor_every
         self.keep_anchors = keep_anchors
@@ -132,7 +155,8 @@ class DeltaPublisher:
         self._error: BaseException | None = None
         self._failed = False
         self._closed = False
-        self._kinds: dict[int, tuple[str, frozenset[str]]] = {}
+        self._kinds: dict[int, tuple[str, frozenset[str], str | None]] = {}
+        self._seen_step = self._last_step  # newest step checked for another writer
         self._queue: queue.Queue[_Job | None] = queue.Queue(maxsize=max_pending_steps)
         self._thread = threading.Thread(target=self._work, name="vllm-deltasync-publisher", daemon=True)
         self._thread.start()
@@ -259,15 +283,31 @@ class DeltaPublisher:
 
     def _commit(self, job: _Job) -> None:
         started = time.perf_counter()
-        manifest = write_step(
-            self._store, self._loop, job.step, job.kind, job.base_step, job.anchor_step,
-            job.fingerprint, job.totals, job.items, codec=self.codec,
-            max_file_bytes=self.max_file_bytes, timeout_s=self.timeout_s,
-        )
+        v2 = self.format_version >= 2
+        if v2:
+            self._run(self._check_alone(job.step))
+        try:
+            manifest = write_step(
+                self._store, self._loop, job.step, job.kind, job.base_step, job.anchor_step,
+                job.fingerprint, job.totals, job.items, codec=self.codec,
+                max_file_bytes=self.max_file_bytes, timeout_s=self.timeout_s,
+                version=self.format_version, run_id=self.run_id, writer=self.writer_token,
+            )
+        except AlreadyExistsError as exc:
+            other = self._run(self._writer_of(job.step)) if v2 else None
+            raise PublishError(self._conflict(job.step, other) if other else (
+                f"step {job.step}: its manifest already exists in {self._store.url}; another "
+                "writer publishes to this prefix")) from exc
+        if v2:  # hf:// has no atomic create: read the commit back to see who won a race
+            other = self._run(self._writer_of(job.step))
+            if other is not None and other[0] != self.writer_token:
+                raise PublishError(self._conflict(job.step, other))
+        self._seen_step = job.step
         tokens = frozenset(f.path.rsplit("/", 1)[0] for f in manifest.files)
-        self._kinds[job.step] = (job.kind, tokens)
+        self._kinds[job.step] = (job.kind, tokens, manifest.writer)
         if job.kind == "anchor":
-            self._run(retain(self._store, self.keep_anchors, self._kinds))
+            self._run(retain(self._store, self.keep_anchors, self._kinds,
+                             writer=self.writer_token if v2 else None))
         elapsed = time.perf_counter() - started
         stats = self.stats
         stats.steps += 1
@@ -280,6 +320,34 @@ class DeltaPublisher:
                  manifest.totals.changed, manifest.totals.bytes, elapsed)
         if self.on_commit is not None:
             self.on_commit(manifest)
+
+    async def _writer_of(self, step: int) -> tuple[str, str] | None:
+        """``(writer, run_id)`` of the committed manifest of ``step`` (None: absent or v1)."""
+        path = manifest_path(step)
+        try:
+            m = Manifest.from_json(await self._store.read(path), source=path)
+        except Exception:  # absent, unreadable: no writer to name
+            return None
+        return (m.writer, m.run_id or "?") if m.writer else ("(format v1, anonymous)", "?")
+
+    async def _check_alone(self, step: int) -> None:
+        """Refuse to commit when a step newer than the last one seen was committed by another writer."""
+        steps = [parse_manifest_path(o.path) for o in await self._store.list(f"{MANIFEST_DIR}/")]
+        newer = sorted(s for s in steps if s is not None and (self._seen_step is None or s > self._seen_step)
+                       and s not in self._kinds)
+        for other_step in newer:
+            other = await self._writer_of(other_step)
+            if other is not None and other[0] != self.writer_token:
+                raise PublishError(self._conflict(other_step, other))
+        if newer and newer[-1] >= step:
+            raise PublishError(f"step {step}: step {newer[-1]} is already committed in "
+                               f"{self._store.url}; another writer publishes to this prefix")
+
+    def _conflict(self, step: int, other: tuple[str, str]) -> str:
+        return (f"a second writer publishes to {self._store.url}: step {step} was committed by "
+                f"writer {other[0]} (run {other[1]}); this publisher is writer "
+                f"{self.writer_token} (run {self.run_id}). Stop one of them or give each its "
+                "own prefix; every rank of one sharded job must pass the same writer_token")
 
     def _raise_background_error(self) -> None:
         if self._error is None:
