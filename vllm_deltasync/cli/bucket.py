@@ -56,7 +56,8 @@ def _step_row(m: Manifest) -> dict[str, Any]:
     return {"step": m.step, "kind": m.kind, "base_step": m.base_step, "anchor_step": m.anchor_step,
             "created_at": m.created_at, "files": len(m.files), "bytes": m.totals.bytes,
             "tensors": len(m.tensors), "changed": m.totals.changed, "elements": m.totals.elements,
-            "sparsity": m.sparsity, "fingerprint": m.fingerprint}
+            "sparsity": m.sparsity, "fingerprint": m.fingerprint,
+            "format_version": m.schema_version, "run_id": m.run_id, "writer": m.writer}
 
 
 def _run_inspect(args: argparse.Namespace) -> int:
@@ -80,6 +81,12 @@ def _run_inspect(args: argparse.Namespace) -> int:
         base = "-" if r["base_step"] is None else r["base_step"]
         print(f"{r['step']:>10} {r['kind']:<6} {base:>10} {r['anchor_step']:>10} {r['files']:>5} "
               f"{_human(r['bytes']):>10} {r['changed']:>12} {r['sparsity'] * 100:>8.3f}%")
+    writers = sorted({(r["writer"], r["run_id"]) for r in rows if r["writer"]})
+    for writer, run_id in writers:
+        steps = [r["step"] for r in rows if r["writer"] == writer]
+        print(f"writer {writer} (run {run_id}): steps {steps[0]}..{steps[-1]} ({len(steps)})")
+    if any(r["format_version"] == 1 for r in rows):
+        print(f"format v1 (anonymous writer): {sum(r['format_version'] == 1 for r in rows)} steps")
     for c in chains:
         state = "complete" if c["complete"] else "BROKEN"
         print(f"chain from anchor {c['anchor']}: steps {c['first']}..{c['last']} ({c['steps']}), {state}")
@@ -99,7 +106,8 @@ def _human(n: float) -> str:
 # ---------------------------------------------------------------------------- verify
 def add_verify(subparsers: Any) -> None:
     p = subparsers.add_parser(
-        "verify", help="check every manifest, file (size, sha256), chain and fingerprint"
+        "verify", help="check every manifest, file (size, sha256), chunk (sha256, coverage), chain "
+        "and fingerprint"
     )
     p.add_argument("url")
     p.set_defaults(func=_run_verify)
