@@ -68,6 +68,15 @@ def _get(url: str) -> tuple[int, str]:
         return e.code, e.read().decode()
 
 
+def _wait_synced(base: str, timeout_s: float = 30.0) -> dict[str, Any]:
+    """``/synced`` once it answers 200 (metrics follow at the engine core's next tick)."""
+    deadline = time.monotonic() + timeout_s
+    while (answer := _get(f"{base}/synced"))[0] != 200:
+        assert time.monotonic() < deadline, answer
+        time.sleep(0.1)
+    return dict(json.loads(answer[1]))
+
+
 @requires_vllm
 @pytest.mark.engine
 def test_failed_switch_is_taken_back_and_the_engine_keeps_serving(tmp_path: Path) -> None:
@@ -127,7 +136,7 @@ def test_failed_switch_is_taken_back_and_the_engine_keeps_serving(tmp_path: Path
             ckpt6 = trainer.save(tmp_path / "ckpt-6")
             assert _digests_equal_checkpoint(llm, ckpt6)
             before = generate(llm, prompts)
-            assert _get(f"{base}/synced")[0] == 200
+            _wait_synced(base)
 
             publish(7)  # the engine core fails it after both ranks applied it
             deadline, seen_failing = time.monotonic() + 60, False
@@ -143,7 +152,7 @@ def test_failed_switch_is_taken_back_and_the_engine_keeps_serving(tmp_path: Path
             assert _digests_equal_checkpoint(llm, ckpt6), "the switch was not taken back"
             metrics = _get(f"{base}/metrics")[1]
             failures = [line for line in metrics.splitlines()
-                        if line.startswith("deltasync_coordinator_failures_total{")]
+                        if line.startswith("deltasync_coordinator_failures_total ")]
             assert failures and float(failures[0].split()[-1]) >= 3, failures
             again = generate(llm, prompts)
             assert [o["tokens"] for o in again] == [o["tokens"] for o in before]
@@ -153,11 +162,7 @@ def test_failed_switch_is_taken_back_and_the_engine_keeps_serving(tmp_path: Path
                 publish(step)
             wait_applied(llm, 10)
             assert _digests_equal_checkpoint(llm, trainer.save(tmp_path / "ckpt-10"))
-            deadline = time.monotonic() + 30  # metrics follow at the engine core's next tick
-            while (code_body := _get(f"{base}/synced"))[0] != 200:
-                assert time.monotonic() < deadline, code_body
-                time.sleep(0.1)
-            assert not json.loads(code_body[1])["coordinator"]["failing"], code_body
+            assert not _wait_synced(base)["coordinator"]["failing"]
             final = engine_status(llm)
         finally:
             close_llm(llm)
