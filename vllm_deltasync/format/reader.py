@@ -212,8 +212,10 @@ class BucketReader:
                            select: Callable[[str], bool] | None = None) -> AsyncIterator[TensorPatch]:
         """Patches of the selected tensors of ``m``, file by file as downloads complete.
 
-        v1: whole data files, each verified (size, sha256) before decoding. v2: only the byte
-        ranges of the selected tensors' chunks, each chunk verified by its sha256.
+        v1: whole data files, each verified (size, sha256) before decoding. v2: a file whose
+        chunks are all selected is read whole and verified like v1; of any other file only the
+        byte ranges of the selected chunks are read. Every v2 chunk is verified by its own
+        sha256 before it is decoded.
         """
         by_file: dict[int, list[tuple[TensorEntry, Chunk]]] = {}
         for entry in m.tensors:
@@ -224,8 +226,16 @@ class BucketReader:
         slots = asyncio.Semaphore(self.max_concurrency)
         order = SparseOrder(m)
 
+        chunks_in: dict[int, int] = {}
+        for entry in m.tensors:
+            for chunk in entry.chunks:
+                chunks_in[chunk.file] = chunks_in.get(chunk.file, 0) + 1
+
+        def whole(index: int) -> bool:  # v1, or every chunk of the file wanted: one full read
+            return m.schema_version == 1 or len(by_file[index]) == chunks_in[index]
+
         def cost(index: int) -> int:
-            if m.schema_version == 1:
+            if whole(index):
                 return m.files[index].size
             return sum(length for _, length in _chunk_ranges(by_file[index]))
 
@@ -236,6 +246,10 @@ class BucketReader:
                     if m.schema_version == 1:
                         return index, self._decode_file(m, index, await self.fetch_file(m, index),
                                                         by_file[index])
+                    if whole(index):
+                        view = memoryview(await self._verified_bytes(m, m.files[index]))
+                        return index, [self._chunk_patch(m, e, c, lambda o, n: view[o : o + n])
+                                       for e, c in by_file[index]]
                     return index, await self._fetch_chunks(m, index, by_file[index])
             except BaseException:
                 await budget.release(cost(index))
