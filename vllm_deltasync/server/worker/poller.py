@@ -138,7 +138,7 @@ class Poller:
         while True:
             try:
                 await self._round()
-                self.state.set_error(None)
+                self.state.set_poll_error(None)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # noqa: BLE001 - any failure is reported, then retried
@@ -158,9 +158,9 @@ class Poller:
         stage = _stage_of(exc)
         self.stats.add_failure(stage, exc)
         text = f"{error_reason(exc)}: {exc}"
-        if text != self.state.last_error():
+        if text != self.state.poll_error():
             logger.error("deltasync rank=%d %s failed: %s", self.rank, stage, text)
-        self.state.set_error(text)
+        self.state.set_poll_error(text)
 
     async def _round(self) -> None:
         tip, generation = self.state.plan_base()

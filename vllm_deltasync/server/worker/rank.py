@@ -187,7 +187,7 @@ class RankState:
         pending = self.sync.take_back(step)
         if pending is None:
             if self.sync.already_reverted(step):
-                self.sync.set_error(reason)
+                self.sync.set_switch_error(reason)
                 return True
             self.sync.reset(f"{reason}; this rank holds no pending switch to step {step}")
             return False

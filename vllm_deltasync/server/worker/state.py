@@ -102,7 +102,8 @@ class SyncState(Generic[P]):
         self._failed: tuple[int, bool] | None = None
         self._newest: tuple[int | None, float | None] = (None, None)
         self._last_discovery_at: float | None = None
-        self._last_error: str | None = None
+        self._poll_error: str | None = None  # written by the poller thread only
+        self._switch_error: str | None = None  # written by the main thread only
         self._last_apply: dict[str, Any] | None = None
 
     def set_on_room(self, callback: Callable[[], None] | None) -> None:
@@ -150,14 +151,20 @@ class SyncState(Generic[P]):
         with self._lock:
             return self._newest[0]
 
-    def set_error(self, text: str | None) -> None:
-        """The last error (None: the last round went well)."""
+    def set_poll_error(self, text: str | None) -> None:
+        """The poller's last error (None: its last round went well). Kept apart from the
+        switch error, so a good round never hides a failed switch."""
         with self._lock:
-            self._last_error = text
+            self._poll_error = text
 
-    def last_error(self) -> str | None:
+    def poll_error(self) -> str | None:
         with self._lock:
-            return self._last_error
+            return self._poll_error
+
+    def set_switch_error(self, text: str | None) -> None:
+        """Main thread: why the last switch was taken back (None once a switch succeeds)."""
+        with self._lock:
+            self._switch_error = text
 
     # ---------------------------------------------------------- worker main thread
     def ready_steps(self) -> list[int]:
@@ -205,7 +212,7 @@ class SyncState(Generic[P]):
         with self._lock:
             self._pending = pending
             self._failed = None
-            self._last_error = None
+            self._switch_error = None
             self._last_apply = dict(last_apply)
 
     def switch_failed(self, step: int, reverted: bool, error: str) -> None:
@@ -213,7 +220,7 @@ class SyncState(Generic[P]):
         with self._lock:
             self._pending = None
             self._failed = (step, reverted)
-            self._last_error = error
+            self._switch_error = error
 
     def commit(self, step: int) -> bool:
         """The engine core made the switch to ``step`` final: drop its undo. True when that
@@ -255,7 +262,7 @@ class SyncState(Generic[P]):
             self._bad_steps.add(failed)
             self._generation += 1
             self._pending = None
-            self._last_error = reason
+            self._switch_error = reason
         self._room()
 
     def reset(self, reason: str) -> None:
@@ -267,7 +274,7 @@ class SyncState(Generic[P]):
             self._applying = None
             self._generation += 1
             self._pending = None
-            self._last_error = reason
+            self._switch_error = reason
         self._room()
 
     def drop_staged(self) -> None:
@@ -289,7 +296,7 @@ class SyncState(Generic[P]):
                 newest_step=self._newest[0],
                 newest_published_at=self._newest[1],
                 last_discovery_at=self._last_discovery_at,
-                last_error=self._last_error,
+                last_error=self._switch_error or self._poll_error,
                 last_apply=dict(self._last_apply) if self._last_apply else None,
                 pending_switch=self._pending.step if self._pending is not None else None,
             )
