@@ -217,49 +217,32 @@ class BucketReader:
         byte ranges of the selected chunks are read. Every v2 chunk is verified by its own
         sha256 before it is decoded.
         """
-        by_file: dict[int, list[tuple[TensorEntry, Chunk]]] = {}
-        for entry in m.tensors:
-            if select is None or select(entry.name):
-                for chunk in entry.chunks:
-                    by_file.setdefault(chunk.file, []).append((entry, chunk))
+        by_file, whole, cost = _fetch_plan(m, select)
         budget = _ByteBudget(self.max_inflight_bytes)
         slots = asyncio.Semaphore(self.max_concurrency)
         order = SparseOrder(m)
 
-        chunks_in: dict[int, int] = {}
-        for entry in m.tensors:
-            for chunk in entry.chunks:
-                chunks_in[chunk.file] = chunks_in.get(chunk.file, 0) + 1
-
-        def whole(index: int) -> bool:  # v1, or every chunk of the file wanted: one full read
-            return m.schema_version == 1 or len(by_file[index]) == chunks_in[index]
-
-        def cost(index: int) -> int:
-            if whole(index):
-                return m.files[index].size
-            return sum(length for _, length in _chunk_ranges(by_file[index]))
-
         async def fetch(index: int) -> tuple[int, list[TensorPatch]]:
-            await budget.acquire(cost(index))
+            await budget.acquire(cost[index])
             try:
                 async with slots:
                     if m.schema_version == 1:
                         return index, self._decode_file(m, index, await self.fetch_file(m, index),
                                                         by_file[index])
-                    if whole(index):
+                    if whole[index]:
                         view = memoryview(await self._verified_bytes(m, m.files[index]))
                         return index, [self._chunk_patch(m, e, c, lambda o, n: view[o : o + n])
                                        for e, c in by_file[index]]
                     return index, await self._fetch_chunks(m, index, by_file[index])
             except BaseException:
-                await budget.release(cost(index))
+                await budget.release(cost[index])
                 raise
 
         tasks = [asyncio.ensure_future(fetch(i)) for i in sorted(by_file)]
         try:
             for next_done in asyncio.as_completed(tasks):
                 index, patches = await next_done
-                await budget.release(cost(index))
+                await budget.release(cost[index])
                 for (_, chunk), patch in zip(by_file[index], patches, strict=True):
                     order.add(chunk.start, patch)
                 for patch in patches:
@@ -269,6 +252,11 @@ class BucketReader:
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+
+    @staticmethod
+    def selected_bytes(m: Manifest, select: Callable[[str], bool] | None = None) -> int:
+        """Bytes :meth:`iter_patches` reads from the bucket for the tensors ``select`` keeps."""
+        return sum(_fetch_plan(m, select)[2].values())
 
     def _decode_file(self, m: Manifest, index: int, tensors: Mapping[str, torch.Tensor],
                      pairs: list[tuple[TensorEntry, Chunk]]) -> list[TensorPatch]:
@@ -403,6 +391,23 @@ def _load(m: Manifest, entry: FileEntry, data: bytes) -> dict[str, torch.Tensor]
         return load_safetensors(data)
     except Exception as exc:  # safetensors raises its own SafetensorError
         raise FormatError(f"step {m.step}: {entry.path} is not a safetensors file ({exc})") from exc
+
+
+def _fetch_plan(m: Manifest, select: Callable[[str], bool] | None) -> tuple[
+        dict[int, list[tuple[TensorEntry, Chunk]]], dict[int, bool], dict[int, int]]:
+    """What :meth:`BucketReader.iter_patches` reads: the selected (tensor, chunk) pairs per data
+    file, whether each file is read whole (v1, or all its chunks wanted) and the bytes read."""
+    by_file: dict[int, list[tuple[TensorEntry, Chunk]]] = {}
+    chunks_in: dict[int, int] = {}
+    for entry in m.tensors:
+        for chunk in entry.chunks:
+            chunks_in[chunk.file] = chunks_in.get(chunk.file, 0) + 1
+            if select is None or select(entry.name):
+                by_file.setdefault(chunk.file, []).append((entry, chunk))
+    whole = {i: m.schema_version == 1 or len(pairs) == chunks_in[i] for i, pairs in by_file.items()}
+    cost = {i: m.files[i].size if whole[i] else sum(n for _, n in _chunk_ranges(pairs))
+            for i, pairs in by_file.items()}
+    return by_file, whole, cost
 
 
 def _sha256(data: bytes) -> str:

@@ -209,7 +209,7 @@ class Poller:
         patches = [
             p async for p in self._guarded_iter(manifest)
         ]
-        downloaded = _selected_bytes(manifest, self._select)
+        downloaded = self._reader.selected_bytes(manifest, self._select)
         download_s = time.perf_counter() - started
         kind = "anchor" if manifest.kind == "anchor" else "delta"
         self.stats.add_download(kind, downloaded, download_s)
@@ -229,11 +229,6 @@ class Poller:
         except Exception as exc:
             exc.add_note("stage=download")
             raise
-
-
-def _selected_bytes(m: Manifest, select: Callable[[str], bool] | None) -> int:
-    files = {c.file for t in m.tensors if select is None or select(t.name) for c in t.chunks}
-    return sum(m.files[i].size for i in files)
 
 
 def _stage_of(exc: BaseException) -> str:
