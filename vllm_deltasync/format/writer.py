@@ -13,7 +13,7 @@ import secrets
 import time
 from collections.abc import MutableMapping
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -63,6 +63,9 @@ class StepItem:
     """bf16: all elements (dense) or the changed ones."""
     old_values: torch.Tensor | None
     """bf16 base values at ``indices`` (deltas), else None."""
+    region: Region | None = None
+    """A block of the tensor (one rank's shard): ``indices`` and ``new_values`` are in its
+    local index space (docs/format.md, "Region and local indices"). None: the whole tensor."""
 
 
 @dataclass
@@ -90,10 +93,11 @@ class _Files:
     """Packs chunk tensors into safetensors files and writes them as they fill up."""
 
     def __init__(self, store: Store, loop: BackgroundLoop, step: int, kind: Kind,
-                 max_file_bytes: int, timeout_s: float, version: int, writer: str | None) -> None:
+                 max_file_bytes: int, timeout_s: float, version: int, writer: str | None,
+                 attempt: str | None = None) -> None:
         self.store, self.loop, self.step, self.kind = store, loop, step, kind
         self.max_file_bytes, self.timeout_s, self.version = max_file_bytes, timeout_s, version
-        attempt = secrets.token_hex(8)
+        attempt = attempt or secrets.token_hex(8)
         self.token = attempt if writer is None else attempt_token(writer, attempt)
         self.entries: list[FileEntry] = []
         self.tensors: dict[str, torch.Tensor] = {}
@@ -170,6 +174,8 @@ def _locate(data: bytes, chunks: list[_PendingChunk]) -> dict[str, tuple[tuple[i
 
 
 def _encode_item(item: StepItem, codec: Codec, files: _Files) -> list[_PendingChunk]:
+    if item.region is not None:
+        return _encode_block(item, item.region, codec, files)
     count = item.new_values.numel()
     per_chunk = max(1, files.max_file_bytes // codec.max_bytes_per_element)
     chunks: list[_PendingChunk] = []
@@ -184,13 +190,118 @@ def _encode_item(item: StepItem, codec: Codec, files: _Files) -> list[_PendingCh
                 first, last = int(indices[0]), int(indices[-1])
                 region = Region(first, 1, last - first + 1, last - first + 1)
                 indices = indices - first
-        old = None if item.old_values is None else item.old_values[start:stop]
-        roles, meta = codec.encode(indices, item.new_values[start:stop], old)
-        keys = {role: codec.key(item.name, role, start) for role in roles}
-        pending = _PendingChunk(item.name, keys, start, stop, dict(meta), region)
-        files.add(item.name, {keys[r]: t.reshape(-1).contiguous() for r, t in roles.items()}, pending)
-        chunks.append(pending)
+        chunks.append(_add_chunk(item, codec, files, start, stop, indices, region, codec_key=start))
     return chunks
+
+
+def _add_chunk(item: StepItem, codec: Codec, files: _Files, start: int, stop: int,
+               indices: torch.Tensor | None, region: Region | None, *, codec_key: int) -> _PendingChunk:
+    """Encode positions ``[start, stop)`` of ``item``'s payload as one chunk in the open file."""
+    old = None if item.old_values is None else item.old_values[start:stop]
+    roles, meta = codec.encode(indices, item.new_values[start:stop], old)
+    keys = {role: codec.key(item.name, role, codec_key) for role in roles}
+    pending = _PendingChunk(item.name, keys, start, stop, dict(meta), region)
+    files.add(item.name, {keys[r]: t.reshape(-1).contiguous() for r, t in roles.items()}, pending)
+    return pending
+
+
+def _encode_block(item: StepItem, block: Region, codec: Codec, files: _Files) -> list[_PendingChunk]:
+    """Chunks of one block (a rank's shard) of a tensor, v2 only.
+
+    Every chunk's region lies inside ``block``: either whole rows of it (a strided region,
+    rows no other chunk touches) or a run inside one row (a contiguous region), so chunks of
+    one block, and of disjoint blocks written by other ranks, never overlap. Safetensors keys
+    are suffixed with the chunk's first flat element, unique within the tensor.
+    """
+    if files.version < 2:
+        raise FormatError(f"tensor {item.name!r}: a block of a tensor (a shard) needs format v2")
+    per_chunk = max(1, files.max_file_bytes // codec.max_bytes_per_element)
+    row_len, rows = block.row_len, block.rows
+    if rows == 1:  # a contiguous block: rows of one element are the simplest split
+        row_len = max(1, block.row_len)
+
+    def flat(local: int) -> int:
+        return block.offset + (local // row_len) * block.row_stride + local % row_len
+
+    chunks: list[_PendingChunk] = []
+    if item.indices is None:  # dense: whole rows, or pieces of one row when a row is too long
+        if rows == 1 or row_len > per_chunk:
+            for r in range(rows):
+                for c0 in range(0, row_len, per_chunk):
+                    n = min(per_chunk, row_len - c0)
+                    start = r * row_len + c0
+                    region = Region(flat(start), 1, n, n)
+                    chunks.append(_add_chunk(item, codec, files, start, start + n, None, region,
+                                             codec_key=region.offset))
+            return chunks
+        per_rows = max(1, per_chunk // row_len)
+        for r0 in range(0, rows, per_rows):
+            n_rows = min(per_rows, rows - r0)
+            start, stop = r0 * row_len, (r0 + n_rows) * row_len
+            region = Region(flat(start), n_rows, row_len, block.row_stride)
+            chunks.append(_add_chunk(item, codec, files, start, stop, None, region, codec_key=region.offset))
+        return chunks
+    idx = item.indices
+    count = idx.numel()
+    row_of = idx // row_len if rows > 1 else None
+    start = 0
+    while start < count:
+        if row_of is None:  # contiguous block: [first, last] of the chunk's indices
+            stop = min(count, start + per_chunk)
+            first, last = int(idx[start]), int(idx[stop - 1])
+            region = Region(flat(first), 1, last - first + 1, last - first + 1)
+            local = idx[start:stop] - first
+        else:
+            r = int(row_of[start])
+            row_begin = int(torch.searchsorted(idx, r * row_len))
+            row_end = int(torch.searchsorted(idx, (r + 1) * row_len))
+            if start > row_begin or row_end - start > per_chunk:  # inside one row
+                stop = min(row_end, start + per_chunk)
+                first, last = int(idx[start]), int(idx[stop - 1])
+                region = Region(flat(first), 1, last - first + 1, last - first + 1)
+                local = idx[start:stop] - first
+            else:  # whole rows r .. r_last, as many as fit
+                cand = min(count, start + per_chunk)
+                stop = count if cand == count else int(torch.searchsorted(idx, int(row_of[cand]) * row_len))
+                r_last = int(row_of[stop - 1])
+                region = Region(flat(r * row_len), r_last - r + 1, row_len, block.row_stride)
+                local = idx[start:stop] - r * row_len
+        chunks.append(_add_chunk(item, codec, files, start, stop, local, region, codec_key=region.offset))
+        start = stop
+    return chunks
+
+
+def write_files(store: Store, loop: BackgroundLoop, step: int, kind: Kind, items: list[StepItem], *,
+                codec: str, max_file_bytes: int, timeout_s: float, version: int = SCHEMA_VERSION,
+                writer: str | None = None, attempt: str | None = None,
+                ) -> tuple[tuple[FileEntry, ...], tuple[TensorEntry, ...]]:
+    """Encode ``items`` and write their data files (one attempt folder); no manifest.
+
+    Returns the file entries and one tensor entry per item, chunks numbered into those files.
+    The ranks of a sharded job each call this for their own blocks; one of them merges the
+    results into the manifest (``trainer/sharded.py``).
+    """
+    files = _Files(store, loop, step, kind, max_file_bytes, timeout_s, version,
+                   writer if version >= 2 else None, attempt)
+    dense, sparse = get_codec("dense"), get_codec(codec)
+    pending = []
+    try:
+        for item in items:
+            codec_of = dense if item.indices is None else sparse
+            pending.append((item, codec_of, _encode_item(item, codec_of, files)))
+    finally:
+        file_entries = files.finish()
+    merged: dict[str, TensorEntry] = {}  # several blocks of one tensor: one entry
+    for item, c, chunks in pending:
+        entry = merged.get(item.name)
+        new = tuple(p.chunk() for p in chunks)
+        if entry is None:
+            merged[item.name] = TensorEntry(item.name, item.shape, "bfloat16", c.name, item.changed,
+                                            new, c.version)
+        else:
+            merged[item.name] = replace(entry, changed=entry.changed + item.changed,
+                                        chunks=entry.chunks + new)
+    return file_entries, tuple(merged.values())
 
 
 def write_step(store: Store, loop: BackgroundLoop, step: int, kind: Kind, base_step: int | None,
@@ -204,21 +315,9 @@ def write_step(store: Store, loop: BackgroundLoop, step: int, kind: Kind, base_s
     """
     if version not in (1, 2) or (version == 2 and not (run_id and writer)):
         raise FormatError(f"write_step: format version {version!r} needs run_id and writer (v2) or is unknown")
-    files = _Files(store, loop, step, kind, max_file_bytes, timeout_s, version,
-                   writer if version >= 2 else None)
-    dense, sparse = get_codec("dense"), get_codec(codec)
-    pending = []
-    try:
-        for item in items:
-            codec_of = dense if item.indices is None else sparse
-            pending.append((item, codec_of, _encode_item(item, codec_of, files)))
-    finally:
-        file_entries = files.finish()
-    entries = tuple(
-        TensorEntry(item.name, item.shape, "bfloat16", c.name, item.changed,
-                    tuple(p.chunk() for p in chunks), c.version)
-        for item, c, chunks in pending
-    )
+    file_entries, entries = write_files(
+        store, loop, step, kind, items, codec=codec, max_file_bytes=max_file_bytes,
+        timeout_s=timeout_s, version=version, writer=writer)
     manifest = Manifest(
         step=step, kind=kind, base_step=base_step, anchor_step=anchor_step,
         created_at=time.time(), fingerprint=fp, files=file_entries, tensors=entries,

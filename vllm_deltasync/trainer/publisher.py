@@ -20,6 +20,7 @@ need (docs/format.md, "Retention").
 from __future__ import annotations
 
 import logging
+import math
 import queue
 import re
 import secrets
@@ -37,9 +38,17 @@ from vllm_deltasync._loop import BackgroundLoop, default_loop
 from vllm_deltasync.errors import AlreadyExistsError, ConfigError, FormatError, PublishError
 from vllm_deltasync.format.codecs import get_codec
 from vllm_deltasync.format.layout import MANIFEST_DIR, manifest_path, parse_manifest_path
-from vllm_deltasync.format.manifest import SCHEMA_VERSION, Kind, Manifest, fingerprint
-from vllm_deltasync.format.writer import StepItem, retain, write_step
+from vllm_deltasync.format.manifest import (
+    SCHEMA_VERSION,
+    Kind,
+    Manifest,
+    Region,
+    Totals,
+    fingerprint,
+)
+from vllm_deltasync.format.writer import StepItem, retain, write_files, write_step
 from vllm_deltasync.stores import Store, open_store
+from vllm_deltasync.trainer import sharded
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +65,8 @@ class _Job:
     totals: tuple[int, int]  # tensors, elements of the parameter set
     items: list[StepItem]
     diff_s: float = 0.0
+    sharded: bool = False
+    """One rank's part of a step of a sharded job (trainer/sharded.py)."""
 
 
 @dataclass
@@ -134,6 +145,8 @@ class DeltaPublisher:
             if token is not None and not re.fullmatch(r"[0-9a-f]{8,64}", token):
                 raise ConfigError(f"DeltaPublisher: {label}={token!r} must be 8-64 lowercase hex digits")
         self.format_version = format_version
+        self._explicit_tokens = (run_id is not None, writer_token is not None)
+        self._group: sharded.RankGroup | None = None
         self.run_id = run_id or secrets.token_hex(8)
         self.writer_token = writer_token or secrets.token_hex(8)
         self.url = url
@@ -163,19 +176,19 @@ class DeltaPublisher:
 
     # ------------------------------------------------------------------ trainer-facing API
     def publish(self, step: int, named_tensors: TensorSource) -> None:
-        """Queue ``step``; returns once the diff is taken (uploads continue in the background)."""
+        """Queue ``step``; returns once the diff is taken (uploads continue in the background).
+
+        DTensor parameters make the call collective: every rank of the job calls ``publish``
+        with the same step and writes only its own shards (docs/trainer.md).
+        """
+        pairs = list(named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors)
+        if self._group is not None or (not self._closed and sharded.has_dtensor(pairs)):
+            self._publish_sharded(step, pairs)
+            return
         self._raise_background_error()
-        if self._closed:
-            raise PublishError(f"step {step}: the publisher is closed; open a new DeltaPublisher")
-        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-            raise PublishError(f"step {step!r} must be a non-negative integer")
-        if self._last_step is not None and step <= self._last_step:
-            raise PublishError(
-                f"step {step}: steps must increase; the newest step of {self._store.url} is "
-                f"{self._last_step}. Publish step {self._last_step + 1} or later, or use a new bucket"
-            )
+        self._check_step(step)
         started = time.perf_counter()
-        snapshot = self._snapshot(step, named_tensors)
+        snapshot = self._snapshot(step, pairs)
         job = self._make_job(step, snapshot)
         self._last, self._last_step = snapshot, step
         job.diff_s = time.perf_counter() - started
@@ -183,27 +196,132 @@ class DeltaPublisher:
         self._queue.put(job)
 
     def flush(self) -> None:
-        """Wait until every queued step is committed; raise a background error if one happened."""
+        """Wait until every queued step is committed; raise a background error if one happened.
+
+        Sharded: collective (every rank calls it); on the committing rank "committed", on the
+        others "their files and part records are written"; an error on any rank raises on all.
+        """
         self._queue.join()
+        if self._group is not None:
+            self._agree(None, None, None)
         self._raise_background_error()
 
     def close(self) -> None:
-        """Commit what is queued, stop the upload thread and release the store."""
+        """Commit what is queued, stop the upload thread and release the store (sharded: collective)."""
+        self._close(collective=True)
+
+    def _close(self, *, collective: bool) -> None:
         if self._closed:
             return
+        group_error: BaseException | None = None
+        if self._group is not None and collective and not self._group.broken:
+            self._queue.join()
+            try:
+                self._agree(None, None, None)
+            except BaseException as exc:
+                group_error = exc
         self._closed = True
         self._queue.put(None)
         self._thread.join()
+        if self._group is not None:
+            self._group.close()
         try:
             self._run(self._store.close())
         finally:
+            if group_error is not None:
+                raise group_error
             self._raise_background_error()
 
     def __enter__(self) -> DeltaPublisher:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        # leaving on an exception: other ranks may not be here, so no collective
+        self._close(collective=exc_type is None)
+
+    def _check_step(self, step: int) -> None:
+        if self._closed:
+            raise PublishError(f"step {step}: the publisher is closed; open a new DeltaPublisher")
+        if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step < 10**12:
+            raise PublishError(f"step {step!r} must be an integer in [0, 10**12 - 1] (steps are "
+                               "named by 12 digits in the bucket)")
+        if self._last_step is not None and step <= self._last_step:
+            raise PublishError(
+                f"step {step}: steps must increase; the newest step of {self._store.url} is "
+                f"{self._last_step}. Publish step {self._last_step + 1} or later, or use a new bucket"
+            )
+
+    # ------------------------------------------------------------------ sharded (collective)
+    def _publish_sharded(self, step: int, pairs: list[tuple[str, torch.Tensor]]) -> None:
+        started = time.perf_counter()
+        if self._group is None:
+            if self._last is not None:
+                raise PublishError(f"step {step}: this publisher published plain tensors before; "
+                                   "a sharded job publishes DTensors from its first step")
+            if self.format_version < 2:
+                raise PublishError("a sharded publish needs format_version=2 (chunks in checkpoint "
+                                   "coordinates, one writer token per job)")
+            group = sharded.RankGroup(2 * self.timeout_s + 60)
+            try:
+                self.run_id, self.writer_token = group.start(self.run_id, self.writer_token,
+                                                             self._explicit_tokens)
+            except BaseException:
+                group.close()
+                raise
+            self._group = group
+        local_error: BaseException | None = None
+        shards: dict[str, sharded.LocalShard] = {}
+        meta: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+        fp = None
+        try:
+            self._check_step(step)
+            for name, tensor in pairs:
+                if not isinstance(tensor, torch.Tensor) or not tensor.is_floating_point():
+                    kind = tensor.dtype if isinstance(tensor, torch.Tensor) else type(tensor).__name__
+                    raise PublishError(f"step {step}: tensor {name!r} is {kind}; only floating-point "
+                                       "parameters can be published (leave integer buffers out)")
+                if name in meta:
+                    raise PublishError(f"step {step}: tensor {name!r} is given twice")
+                shards[name] = sharded.describe(name, tensor, self._group.rank)
+                meta[name] = (shards[name].shape, tensor.dtype)
+            if not meta:
+                raise PublishError(f"step {step}: no tensors given; pass model.named_parameters()")
+            self._check_same_set(step, meta)
+            fp = fingerprint((name, shape, "bfloat16") for name, (shape, _) in meta.items())
+        except Exception as exc:
+            local_error = exc
+        self._agree(step, fp, local_error)
+        self._meta = meta
+        snapshot = {name: _to_host_bf16(s.local) for name, s in shards.items() if s.local is not None}
+        job = self._make_job(step, snapshot, {name: s.blocks for name, s in shards.items()})
+        self._last, self._last_step = snapshot, step
+        job.diff_s = time.perf_counter() - started
+        self.stats.diff_s += job.diff_s
+        self._queue.put(job)
+
+    def _agree(self, step: int | None, fp: str | None, local_error: BaseException | None) -> None:
+        """Every rank learns every rank's error, step and parameter set; all raise or none does."""
+        assert self._group is not None
+        own = local_error or self._error
+        what = f"step {step}" if step is not None else "flush/close"
+        records = self._group.gather((step, fp, None if own is None else f"{type(own).__name__}: {own}"),
+                                     what)
+        problems = [(r, msg) for r, (_, _, msg) in enumerate(records) if msg]
+        if not problems and len({(s, f) for s, f, _ in records}) > 1:
+            problems = [(-1, f"the ranks disagree on the step or parameter set: steps "
+                             f"{sorted({s for s, _, _ in records if s is not None})}; every rank "
+                             "publishes the same step with the same parameter names and shapes")]
+        if not problems:
+            return
+        # everyone: drop what is queued (based on a step that may be lost), anchor next
+        self._failed = True
+        self._queue.join()
+        self._error, self._failed, self._force_anchor = None, False, True
+        if own is not None:
+            raise own
+        rank, msg = problems[0]
+        who = "" if rank < 0 else f"rank {rank} failed: "
+        raise PublishError(f"{what} (rank {self._group.rank}): not published, {who}{msg}")
 
     @property
     def last_step(self) -> int | None:
@@ -252,19 +370,33 @@ class DeltaPublisher:
                     "must not change within a bucket"
                 )
 
-    def _make_job(self, step: int, snapshot: dict[str, torch.Tensor]) -> _Job:
+    def _make_job(self, step: int, snapshot: dict[str, torch.Tensor],
+                  blocks: Mapping[str, tuple[Region, ...]] | None = None) -> _Job:
         last = self._last
         anchor = last is None or self._force_anchor or self._since_anchor + 1 >= self.anchor_every
-        items = [_diff(name, self._meta[name][0], new, None if last is None else last[name], anchor)
-                 for name, new in snapshot.items()]
+        items: list[StepItem] = []
+        for name, new in snapshot.items():
+            old = None if last is None else last[name]
+            shape = self._meta[name][0]
+            if blocks is None:
+                items.append(_diff(name, shape, new, old, anchor))
+                continue
+            pos = 0  # a shard: one item per block, in the local piece's flat order
+            for region in blocks[name]:
+                part = slice(pos, pos + region.size)
+                pos += region.size
+                item = _diff(name, shape, new[part], None if old is None else old[part], anchor)
+                item.region = region
+                items.append(item)
         fp = fingerprint((name, shape, "bfloat16") for name, (shape, _) in self._meta.items())
-        totals = (len(snapshot), sum(t.numel() for t in snapshot.values()))
+        totals = (len(self._meta), sum(math.prod(shape) for shape, _ in self._meta.values()))
+        part_of = blocks is not None
         if anchor:
             self._anchor_step, self._since_anchor, self._force_anchor = step, 0, False
-            return _Job(step, "anchor", None, step, fp, totals, items)
+            return _Job(step, "anchor", None, step, fp, totals, items, sharded=part_of)
         self._since_anchor += 1
         return _Job(step, "delta", self._last_step, self._anchor_step, fp, totals,
-                    [i for i in items if i.changed])
+                    [i for i in items if i.changed], sharded=part_of)
 
     # ------------------------------------------------------------------ upload thread
     def _work(self) -> None:
@@ -275,24 +407,35 @@ class DeltaPublisher:
                     return
                 if not self._failed:
                     self._commit(job)
+                elif job.sharded:  # dropped: tell the committer not to wait for this rank
+                    self._abort(job, "an earlier step failed on this rank; the step was dropped")
             except BaseException as exc:  # surfaced on the caller's next call
                 log.error("publishing step=%d to %s failed: %s", job.step if job else -1, self.url, exc)
                 self._error, self._failed = exc, True
+                if job is not None and job.sharded:
+                    self._abort(job, f"{type(exc).__name__}: {exc}")
             finally:
                 self._queue.task_done()
 
     def _commit(self, job: _Job) -> None:
         started = time.perf_counter()
         v2 = self.format_version >= 2
-        if v2:
+        if v2 and not job.sharded:
             self._run(self._check_alone(job.step))
         try:
-            manifest = write_step(
-                self._store, self._loop, job.step, job.kind, job.base_step, job.anchor_step,
-                job.fingerprint, job.totals, job.items, codec=self.codec,
-                max_file_bytes=self.max_file_bytes, timeout_s=self.timeout_s,
-                version=self.format_version, run_id=self.run_id, writer=self.writer_token,
-            )
+            if job.sharded:
+                committed = self._commit_part(job)
+                if committed is None:  # not the committing rank: its files and part are written
+                    self._count(job, None, time.perf_counter() - started)
+                    return
+                manifest = committed
+            else:
+                manifest = write_step(
+                    self._store, self._loop, job.step, job.kind, job.base_step, job.anchor_step,
+                    job.fingerprint, job.totals, job.items, codec=self.codec,
+                    max_file_bytes=self.max_file_bytes, timeout_s=self.timeout_s,
+                    version=self.format_version, run_id=self.run_id, writer=self.writer_token,
+                )
         except AlreadyExistsError as exc:
             other = self._run(self._writer_of(job.step)) if v2 else None
             raise PublishError(self._conflict(job.step, other) if other else (
@@ -309,17 +452,58 @@ class DeltaPublisher:
             self._run(retain(self._store, self.keep_anchors, self._kinds,
                              writer=self.writer_token if v2 else None))
         elapsed = time.perf_counter() - started
-        stats = self.stats
-        stats.steps += 1
-        stats.anchors += job.kind == "anchor"
-        stats.bytes_written += manifest.totals.bytes + len(manifest.to_json())
-        stats.upload_s += elapsed
-        stats.last_manifest = manifest
-        stats.per_step.append((job.step, job.diff_s, elapsed))
+        self._count(job, manifest, elapsed)
         log.info("committed step=%d kind=%s changed=%d bytes=%d in %.3fs", job.step, job.kind,
                  manifest.totals.changed, manifest.totals.bytes, elapsed)
         if self.on_commit is not None:
             self.on_commit(manifest)
+
+    def _count(self, job: _Job, manifest: Manifest | None, elapsed: float) -> None:
+        """Stats of one step: committed (``manifest``), or a part written by a non-committing rank."""
+        stats = self.stats
+        stats.steps += 1
+        stats.anchors += job.kind == "anchor"
+        stats.upload_s += elapsed
+        stats.per_step.append((job.step, job.diff_s, elapsed))
+        if manifest is not None:
+            stats.bytes_written += manifest.totals.bytes + len(manifest.to_json())
+            stats.last_manifest = manifest
+
+    def _commit_part(self, job: _Job) -> Manifest | None:
+        """Sharded: write this rank's files and part record; rank 0 merges and commits."""
+        group = self._group
+        assert group is not None
+        attempt = group.attempt()
+        files, tensors = write_files(
+            self._store, self._loop, job.step, job.kind, job.items, codec=self.codec,
+            max_file_bytes=self.max_file_bytes, timeout_s=self.timeout_s, writer=self.writer_token,
+            attempt=attempt)
+        sharded.failpoint(group.rank, job.step)
+        template = Manifest(step=job.step, kind=job.kind, base_step=job.base_step,
+                            anchor_step=job.anchor_step, created_at=time.time(),
+                            fingerprint=job.fingerprint, files=(), tensors=(),
+                            totals=Totals(0, 0, 0, 0), run_id=self.run_id, writer=self.writer_token)
+        part = sharded.part_manifest(template, files, tensors)
+        folder = sharded.folder(job.step, self.writer_token, attempt)
+        self._run(self._store.write(f"{folder}/{sharded.PART_NAME}", part.to_json()))
+        if group.rank != 0:
+            return None
+        parts = self._run(sharded.collect_parts(self._store, job.step, self.writer_token,
+                                                group.session, group.world, self.timeout_s))
+        manifest = sharded.merge_parts(parts, job.totals)
+        self._run(self._check_alone(job.step))
+        self._run(self._store.write(manifest_path(job.step), manifest.to_json()))
+        return manifest
+
+    def _abort(self, job: _Job, why: str) -> None:
+        """Sharded: this rank will write no part for ``job``; best effort, never raises."""
+        if self._group is None:
+            return
+        path = f"{sharded.folder(job.step, self.writer_token, self._group.attempt())}/{sharded.ABORT_NAME}"
+        try:
+            self._run(self._store.write(path, why.encode("utf-8"), overwrite=True))
+        except Exception as exc:
+            log.warning("could not write %s: %s", path, exc)
 
     async def _writer_of(self, step: int) -> tuple[str, str] | None:
         """``(writer, run_id)`` of the committed manifest of ``step`` (None: absent or v1)."""
