@@ -283,3 +283,21 @@ def test_one_rank_job_publishes_like_a_single_process(one_rank: Any, tmp_path: P
     assert problems == [] and sorted(manifests) == [0, 1, 2, 3]
     for step in range(4):
         assert _bits_equal(full[step], truth[step])
+
+
+def test_plain_tensors_stay_single_process_under_a_process_group(one_rank: Any, tmp_path: Path) -> None:
+    """A DDP trainer publishing plain tensors (from rank 0 only) makes no collective at all."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    from vllm_deltasync import DeltaPublisher
+    from vllm_deltasync.errors import PublishError
+
+    with DeltaPublisher(f"file://{tmp_path}/b", timeout_s=10) as pub:
+        pub.publish(0, {"w": torch.ones(3, 2)})
+        assert pub._group is None
+        with pytest.raises(PublishError, match="published plain tensors before"):
+            pub.publish(1, {"w": DTensor.from_local(torch.ones(3, 2), one_rank, [Shard(0)])})
+    with pytest.raises(PublishError, match="closed"):
+        pub.publish(2, {"w": torch.ones(3, 2)})
+    manifests, _, problems = _read(f"file://{tmp_path}/b")
+    assert sorted(manifests) == [0] and problems == []

@@ -181,8 +181,10 @@ class DeltaPublisher:
         DTensor parameters make the call collective: every rank of the job calls ``publish``
         with the same step and writes only its own shards (docs/trainer.md).
         """
+        if self._closed:  # local state: no exchange with the other ranks
+            raise PublishError(f"step {step}: the publisher is closed; open a new DeltaPublisher")
         pairs = list(named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors)
-        if self._group is not None or (not self._closed and sharded.has_dtensor(pairs)):
+        if self._group is not None or sharded.has_dtensor(pairs):
             self._publish_sharded(step, pairs)
             return
         self._raise_background_error()
