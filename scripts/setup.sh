@@ -32,10 +32,22 @@ fi
 if ! command -v promtool >/dev/null 2>&1; then
     if command -v apt-get >/dev/null 2>&1 && [[ $(id -u) == 0 ]]; then
         echo "setup: installing Debian's prometheus package"
+        # The package would start a system service on install; the tests run their own. Ask
+        # invoke-rc.d / deb-systemd-invoke not to start services during this install (a
+        # policy-rc.d answering 101), and remove that policy only if this script created it.
+        # Nothing already running is ever stopped: a user's own Prometheus is left alone.
+        policy=${DELTASYNC_POLICY_RC_D:-/usr/sbin/policy-rc.d}  # overridable for the test
+        made_policy=
+        if [[ ! -e $policy ]]; then
+            printf '#!/bin/sh\n# vllm-deltasync setup.sh: no service starts during its apt-get install\nexit 101\n' >"$policy"
+            chmod 755 "$policy"
+            made_policy=1
+        fi
         (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus) >/dev/null 2>&1 \
             || echo "setup: WARNING: could not install prometheus; monitoring tests will be skipped"
-        # The package starts a system service on install; the tests run their own.
-        (service prometheus stop || systemctl stop prometheus || pkill -x prometheus) >/dev/null 2>&1 || true
+        if [[ -n $made_policy ]]; then
+            rm -f "$policy"
+        fi
     else
         echo "setup: WARNING: promtool not found and cannot apt-get install it; monitoring tests will be skipped"
     fi

@@ -52,6 +52,10 @@ class Faults:
     events_enabled: bool = True
     events_max_s: float = 30.0
     """An events connection ends with a ``reconnect`` event after this long."""
+    events_garbage: bool = False
+    """Each events connection sends one malformed ``changes`` event after ``ready``."""
+    events_silent: bool = False
+    """Events connections send ``ready``, then nothing at all (a feed gone silent)."""
 
 
 @dataclass
@@ -313,6 +317,11 @@ class HubServer:
 
     async def _feed(self, resp: web.StreamResponse, bucket_id: str, cursor: int) -> None:
         await resp.write(f"id: {cursor}\nevent: ready\ndata: {{}}\n\n".encode())
+        if self.faults.events_garbage:
+            await resp.write(b"event: changes\ndata: {not json\xff\n\n")
+        if self.faults.events_silent:
+            await asyncio.sleep(self.faults.events_max_s)
+            return
         deadline = time.monotonic() + self.faults.events_max_s
         while (left := deadline - time.monotonic()) > 0:
             assert self._changed is not None

@@ -44,6 +44,11 @@ HF_KEYS: dict[str, Any] = {  # the same for hf:// (runtime objects aside)
     "part_size": 1 << 17,
     "max_parallel_parts": 2,
     "request_timeout_s": 5.5,
+    "min_bytes_per_s": 1024,
+    "rate_window_s": 2.5,
+    "max_request_s": 30.0,
+    "max_redirects": 3,
+    "allow_redirects_to": ("private",),
     "retry_policy": POLICY,
 }
 HF_RUNTIME = ("session", "uploader", "environ")

@@ -12,7 +12,9 @@ import-trl      convert (or follow) a TRL delta-sync bucket :func:`vllm_deltasyn
 
 A builder creates its sub-parser and sets ``func`` to ``(argparse.Namespace) -> int`` (the
 exit status). Errors of the :mod:`vllm_deltasync.errors` tree become one line on stderr and
-exit status 1.
+exit status 1; so does any other exception (named by its class, never a traceback: hostile
+buckets and servers must not be able to make the CLI dump its internals). Every line printed
+for an error has its URLs redacted (:func:`vllm_deltasync._urls.redact_text`).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import sys
 from collections.abc import Sequence
 
 from vllm_deltasync import __version__
+from vllm_deltasync._urls import redact_text
 from vllm_deltasync.errors import DeltaSyncError
 
 VERBS: dict[str, tuple[str, str]] = {
@@ -64,17 +67,34 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(func(args) or 0)
     except DeltaSyncError as exc:
-        print(f"vllm-deltasync {args.command}: {exc}", file=sys.stderr)
+        print(f"vllm-deltasync {args.command}: {one_line(exc)}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130
     except BrokenPipeError:  # `vllm-deltasync inspect URL | head`: the reader left
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
+    except RecursionError:
+        print(f"vllm-deltasync {args.command}: input nested too deeply to read", file=sys.stderr)
+        return 1
+    except MemoryError:
+        print(f"vllm-deltasync {args.command}: input claims more memory than this machine has",
+              file=sys.stderr)
+        return 1
+    except Exception as exc:  # noqa: BLE001 - one line, never a traceback
+        print(f"vllm-deltasync {args.command}: unexpected {type(exc).__name__}: {one_line(exc)}",
+              file=sys.stderr)
+        return 1
+
+
+def one_line(exc: BaseException, limit: int = 2000) -> str:
+    """``exc`` as one redacted line of at most ``limit`` characters."""
+    text = " ".join(redact_text(str(exc)).split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 if __name__ == "__main__":
     sys.exit(main())
 
 
-__all__ = ["VERBS", "build_parser", "main"]
+__all__ = ["VERBS", "build_parser", "main", "one_line"]

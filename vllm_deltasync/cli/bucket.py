@@ -14,7 +14,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from vllm_deltasync.errors import DeltaSyncError
+from vllm_deltasync._urls import redact_url
+from vllm_deltasync.errors import ConfigError, DeltaSyncError
 from vllm_deltasync.format.manifest import Manifest
 from vllm_deltasync.format.reader import BucketReader
 
@@ -60,7 +61,20 @@ def _step_row(m: Manifest) -> dict[str, Any]:
             "format_version": m.schema_version, "run_id": m.run_id, "writer": m.writer}
 
 
+def check_source(url: str) -> None:
+    """A ``file://`` (or bare path) bucket that does not exist is an error, not an empty
+    bucket: ``inspect``, ``verify`` and ``import-trl`` say so instead of "ok: 0 steps"."""
+    if "://" in url and not url.startswith("file://"):
+        return
+    path = Path(url.removeprefix("file://"))
+    if not path.is_dir():
+        what = "is not a directory" if path.exists() else "does not exist"
+        raise ConfigError(f"bucket {redact_url(url) if '://' in url else url} {what}")
+
+
 def _run_inspect(args: argparse.Namespace) -> int:
+    check_source(args.url)
+
     async def go() -> tuple[str, list[Manifest], list[str]]:
         async with BucketReader.open(args.url) as reader:
             manifests, problems = await _load_all(reader)
@@ -114,6 +128,8 @@ def add_verify(subparsers: Any) -> None:
 
 
 def _run_verify(args: argparse.Namespace) -> int:
+    check_source(args.url)
+
     async def go() -> tuple[list[int], list[str]]:
         async with BucketReader.open(args.url) as reader:
             return await reader.list_steps(), await reader.verify()
@@ -122,9 +138,9 @@ def _run_verify(args: argparse.Namespace) -> int:
     for problem in problems:
         print(problem)
     if problems:
-        print(f"{len(problems)} problem(s) in {args.url}", file=sys.stderr)
+        print(f"{len(problems)} problem(s) in {redact_url(args.url)}", file=sys.stderr)
         return 1
-    print(f"ok: {len(steps)} steps verified in {args.url}")
+    print(f"ok: {len(steps)} steps verified in {redact_url(args.url)}")
     return 0
 
 
@@ -152,7 +168,7 @@ def _run_materialize(args: argparse.Namespace) -> int:
         async with BucketReader.open(args.url) as reader:
             step = args.step if args.step is not None else await reader.latest_step()
             if step is None:
-                raise DeltaSyncError(f"{args.url} holds no committed step")
+                raise DeltaSyncError(f"{redact_url(args.url)} holds no committed step")
             tensors = await reader.read_full(step)  # verifies every file before decoding it
             return step, await reader.manifest(step), tensors
 
@@ -169,4 +185,4 @@ def _run_materialize(args: argparse.Namespace) -> int:
     return 0
 
 
-__all__ = ["add_inspect", "add_materialize", "add_verify"]
+__all__ = ["add_inspect", "add_materialize", "add_verify", "check_source"]

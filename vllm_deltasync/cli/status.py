@@ -28,8 +28,10 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from vllm_deltasync._urls import redact_text, redact_url
 from vllm_deltasync.errors import ConfigError
 
+_MAX_METRICS_BYTES = 16 << 20
 EXIT_UNREACHABLE = 1
 EXIT_UNHEALTHY = 3
 
@@ -68,7 +70,7 @@ def metrics_url(url: str) -> str:
         url = "http://" + url
     parts = urllib.parse.urlsplit(url)
     if parts.scheme not in ("http", "https") or not parts.netloc:
-        raise ConfigError(f"status: {url!r} is not an http(s) URL of a metrics endpoint")
+        raise ConfigError(f"status: {redact_url(url)!r} is not an http(s) URL of a metrics endpoint")
     if parts.path in ("", "/"):
         parts = parts._replace(path="/metrics")
     return urllib.parse.urlunsplit(parts)
@@ -78,16 +80,19 @@ def parse_status(url: str, text: str) -> ReplicaStatus:
     """Summarize one exposition (Prometheus text format) of a replica."""
     per_rank: dict[str, dict[str, float]] = {}
     failures: dict[str, tuple[float, str]] = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            rank = s.labels.get("rank")
-            if rank is None or not s.name.startswith("deltasync_"):
-                continue
-            if s.name == "deltasync_last_failure_timestamp_seconds":
-                if s.value > failures.get(rank, (-1.0, ""))[0]:
-                    failures[rank] = (s.value, s.labels.get("reason", "Error"))
-            elif len(s.labels) == 1:
-                per_rank.setdefault(rank, {})[s.name[len("deltasync_"):]] = s.value
+    try:
+        samples = [s for family in text_string_to_metric_families(text) for s in family.samples]
+    except Exception:  # noqa: BLE001 - HTML, garbage: whatever the parser chokes on
+        return ReplicaStatus(url, unreachable="not a Prometheus metrics endpoint (unparsable answer)")
+    for s in samples:
+        rank = s.labels.get("rank")
+        if rank is None or not s.name.startswith("deltasync_"):
+            continue
+        if s.name == "deltasync_last_failure_timestamp_seconds":
+            if s.value > failures.get(rank, (-1.0, ""))[0]:
+                failures[rank] = (s.value, s.labels.get("reason", "Error"))
+        elif len(s.labels) == 1:
+            per_rank.setdefault(rank, {})[s.name[len("deltasync_"):]] = s.value
     if not per_rank:
         return ReplicaStatus(url, unreachable="no deltasync metrics at this URL")
     return _summarize(url, per_rank, failures)
@@ -121,13 +126,18 @@ def _summarize(url: str, per_rank: dict[str, dict[str, float]],
 def fetch_status(url: str, timeout_s: float = 5.0) -> ReplicaStatus:
     """GET one metrics endpoint and summarize it (never raises for network errors)."""
     target = metrics_url(url)
+    shown = redact_url(target)
     try:
         with urllib.request.urlopen(target, timeout=timeout_s) as resp:
-            text = resp.read().decode("utf-8", "replace")
+            text = resp.read(_MAX_METRICS_BYTES + 1).decode("utf-8", "replace")
     except (urllib.error.URLError, OSError, ValueError) as exc:
         reason = getattr(exc, "reason", None) or exc
-        return ReplicaStatus(target, unreachable=str(reason))
-    return parse_status(target, text)
+        return ReplicaStatus(shown, unreachable=redact_text(str(reason)))
+    except Exception as exc:  # noqa: BLE001 - a bad status line or header: one line, no traceback
+        return ReplicaStatus(shown, unreachable=f"bad HTTP answer ({type(exc).__name__})")
+    if len(text) > _MAX_METRICS_BYTES:
+        return ReplicaStatus(shown, unreachable="answer larger than 16 MiB: not our metrics endpoint")
+    return parse_status(shown, text)
 
 
 def fetch_all(urls: Iterable[str], timeout_s: float = 5.0) -> list[ReplicaStatus]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import threading
 
+from vllm_deltasync.cli.bucket import check_source
 from vllm_deltasync.trainer.publisher import DeltaPublisher
 from vllm_deltasync.trainer.trl_import import TrlImporter
 
@@ -23,6 +24,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
 
 def run(args: argparse.Namespace) -> int:
     """Run ``import-trl``; exit status 0. Errors of the tree propagate to the CLI."""
+    if not args.follow:  # --follow may start before the trainer made its bucket
+        check_source(args.src)
     with DeltaPublisher(args.dst, codec=args.codec, anchor_every=args.anchor_every) as publisher:
         importer = TrlImporter(args.src, publisher)
         if args.follow:

@@ -21,7 +21,7 @@ import numpy as np
 from vllm_deltasync.errors import FormatError
 from vllm_deltasync.format.codec import TensorPatch
 from vllm_deltasync.format.codecs import get_codec
-from vllm_deltasync.format.manifest import Manifest, TensorEntry, fingerprint
+from vllm_deltasync.format.manifest import MAX_REGION_ROWS, Manifest, TensorEntry, fingerprint
 
 
 def check_manifest(m: Manifest) -> None:
@@ -69,6 +69,10 @@ def _check_v1(m: Manifest, t: TensorEntry, where: str) -> None:
 def _check_v2(m: Manifest, t: TensorEntry, where: str) -> None:
     """v2: regions pairwise disjoint; dense chunks fill theirs; an anchor's fill the tensor."""
     dense = get_codec(t.encoding).dense
+    rows_listed = sum(c.region.rows for c in t.chunks if c.region is not None)
+    if rows_listed > MAX_REGION_ROWS or rows_listed > max(t.numel, 1):
+        raise FormatError(f"{where}: tensor {t.name!r}: its chunks list {rows_listed} region rows, "
+                          f"more than its {t.numel} elements allow (or {MAX_REGION_ROWS})")
     starts, stops = [], []
     for chunk in t.chunks:
         region = chunk.region

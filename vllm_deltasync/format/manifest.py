@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -34,6 +35,18 @@ MIN_READER = {1: "0.1.0", 2: "0.2.0"}
 ROLE_DTYPES = ("BF16", "I16", "I32", "I64", "U8")
 """Safetensors dtypes a v2 chunk role may have."""
 _HEX_ID = re.compile(r"[0-9a-f]{8,64}")
+MAX_NDIM = 8
+"""Most dimensions a tensor may have."""
+MAX_NUMEL = 1 << 40
+"""Most elements one tensor may claim (2 TiB of bf16): a larger claim is refused by the parser
+before anything is sized by it."""
+MAX_INT = (1 << 53) - 1
+"""Largest integer any manifest field may hold (sizes, offsets, counts; exact in JSON doubles)."""
+MAX_REGION_ROWS = 1 << 23
+"""Most region rows the chunks of one tensor may list together (the coverage check's memory)."""
+MAX_MANIFEST_BYTES = 64 << 20
+"""Largest manifest document a reader parses."""
+_BAD_PATH_CHARS = re.compile(r"[\x00-\x1f\x7f\\]")
 
 def fingerprint(params: Iterable[tuple[str, Sequence[int], str]]) -> str:
     """``"sha256:<hex>"`` of the parameter set: sorted ``[name, shape, dtype]`` as compact JSON."""
@@ -237,16 +250,31 @@ class Manifest:
     @classmethod
     def from_json(cls, data: bytes, *, source: str) -> Manifest:
         """Parse and validate; :class:`FormatError` naming ``source`` on any defect."""
+        if len(data) > MAX_MANIFEST_BYTES:
+            raise FormatError(f"{source}: {len(data)} bytes, more than a manifest may have "
+                              f"({MAX_MANIFEST_BYTES})")
         try:
-            doc = json.loads(data)
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise FormatError(f"{source}: not valid JSON ({exc})") from exc
+            text = bytes(data).decode("utf-8")  # strict: json.loads would also take UTF-16/32
+            doc = json.loads(text, parse_constant=_no_constant)
+        except UnicodeDecodeError as exc:
+            raise FormatError(f"{source}: not UTF-8 ({exc.reason} at byte {exc.start})") from None
+        except json.JSONDecodeError as exc:
+            raise FormatError(f"{source}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
+        except RecursionError:
+            raise FormatError(f"{source}: JSON nested too deeply") from None
+        except ValueError as exc:  # NaN / Infinity
+            raise FormatError(f"{source}: {exc}") from None
         try:
             return _from_dict(doc)
         except FormatError as exc:
             raise FormatError(f"{source}: {exc}") from exc
-        except (KeyError, TypeError, ValueError) as exc:
-            raise FormatError(f"{source}: malformed manifest ({type(exc).__name__}: {exc})") from exc
+        except (KeyError, TypeError, ValueError, OverflowError, RecursionError) as exc:
+            raise FormatError(f"{source}: malformed manifest ({type(exc).__name__}: "
+                              f"{str(exc)[:200]})") from None
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number (NaN and Infinity are refused)")
 
 
 def _to_dict_v2(m: Manifest) -> dict[str, Any]:
@@ -295,10 +323,11 @@ def _tensor_to_dict(t: TensorEntry) -> dict[str, Any]:
     }
 
 
-def _int(doc: Mapping[str, Any], key: str, *, minimum: int = 0) -> int:
+def _int(doc: Mapping[str, Any], key: str, *, minimum: int = 0, maximum: int = MAX_INT) -> int:
     value = doc[key]
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise FormatError(f"field {key!r} must be an integer >= {minimum}, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, int) or not minimum <= value <= maximum:
+        raise FormatError(f"field {key!r} must be an integer in [{minimum}, {maximum}], "
+                          f"got {str(value)[:40]}")
     return value
 
 
@@ -330,8 +359,10 @@ def _from_dict(doc: Any) -> Manifest:
     if totals.bytes != sum(f.size for f in files):
         raise FormatError(f"totals.bytes {totals.bytes} is not the sum of the file sizes")
     created = doc["created_at"]
-    if isinstance(created, bool) or not isinstance(created, (int, float)):
-        raise FormatError(f"field 'created_at' must be a number, got {created!r}")
+    if (isinstance(created, bool) or not isinstance(created, (int, float))
+            or not math.isfinite(created) or not 0 <= created < 1e11):
+        raise FormatError(f"field 'created_at' must be a finite number of seconds since the "
+                          f"epoch, got {str(created)[:40]}")
     fp = _str(doc, "fingerprint")
     if not re.fullmatch(r"sha256:[0-9a-f]{64}", fp):
         raise FormatError(f"fingerprint {fp!r} is not 'sha256:<64 hex>'")
@@ -401,8 +432,9 @@ def _chain_fields(doc: Mapping[str, Any], step: int) -> tuple[Kind, int | None, 
 
 def _file_from_dict(doc: Mapping[str, Any], version: int) -> FileEntry:
     path = _str(doc, "path")
-    if path.startswith("/") or ".." in path.split("/"):
-        raise FormatError(f"file path {path!r} must be relative to the bucket prefix")
+    if path.startswith("/") or ".." in path.split("/") or _BAD_PATH_CHARS.search(path) or len(path) > 1024:
+        raise FormatError(f"file path {path[:200]!r} must be a relative path inside the bucket "
+                          "prefix (no '..', no control or NUL characters, no backslash)")
     sha = _str(doc, "sha256")
     if not re.fullmatch(r"[0-9a-f]{64}", sha):
         raise FormatError(f"sha256 of {path!r} is not 64 lowercase hex digits")
@@ -415,7 +447,7 @@ def _file_from_dict(doc: Mapping[str, Any], version: int) -> FileEntry:
     index = {}
     for name, ranges in raw.items():
         if not isinstance(ranges, list) or not all(
-            isinstance(r, list) and len(r) == 2 and all(_is_int(x) and x >= 0 for x in r) for r in ranges
+            isinstance(r, list) and len(r) == 2 and all(_is_int(x) and 0 <= x <= MAX_INT for x in r) for r in ranges
         ):
             raise FormatError(f"index of {path!r}: {name!r} must list [offset, length] pairs")
         index[name] = tuple((int(a), int(b)) for a, b in ranges)
@@ -429,16 +461,24 @@ def _is_int(x: Any) -> bool:
 def _tensor_from_dict(doc: Mapping[str, Any], sizes: Sequence[int], version: int,
                       requires: Any) -> TensorEntry:
     name = _str(doc, "name")
-    shape = tuple(int(d) for d in doc["shape"])
-    if any(d < 0 for d in shape):
-        raise FormatError(f"tensor {name!r}: negative dimension in {shape}")
+    if len(name) > 1024 or "\x00" in name:
+        raise FormatError(f"tensor name {name[:80]!r}...: longer than 1024 characters or holds NUL")
+    raw_shape = doc["shape"]
+    if not isinstance(raw_shape, list) or len(raw_shape) > MAX_NDIM or not all(
+            _is_int(d) and d >= 0 for d in raw_shape):
+        raise FormatError(f"tensor {name!r}: shape must be a list of at most {MAX_NDIM} integers "
+                          f">= 0, got {str(raw_shape)[:80]}")
+    shape = tuple(raw_shape)
+    numel = 1
+    for d in shape:
+        numel *= d
+    if numel > MAX_NUMEL:
+        raise FormatError(f"tensor {name!r}: shape {list(shape)} claims {numel} elements, more "
+                          f"than a tensor may have ({MAX_NUMEL})")
     if version == 1:
         chunks = tuple(_chunk_from_dict(c, name, len(sizes)) for c in doc["chunks"])
         codec_version = 1
     else:
-        numel = 1
-        for d in shape:
-            numel *= d
         chunks = tuple(_chunk_v2(c, name, sizes, numel) for c in doc["chunks"])
         codec_version = _int(doc, "codec_version", minimum=1)
     entry = TensorEntry(
@@ -511,15 +551,16 @@ def _chunk_v2(doc: Mapping[str, Any], name: str, sizes: Sequence[int], numel: in
 
 
 def _region(raw: Any, name: str, numel: int) -> Region:
-    if not isinstance(raw, list) or len(raw) not in (2, 4) or not all(_is_int(x) and x >= 0 for x in raw):
+    if not isinstance(raw, list) or len(raw) not in (2, 4) or not all(_is_int(x) and 0 <= x <= MAX_INT for x in raw):
         raise FormatError(f"tensor {name!r}: chunk region must be [offset, length] or "
                           f"[offset, rows, row_len, row_stride] of integers >= 0, got {raw!r}")
     if len(raw) == 2:
         region = Region(raw[0], 1, raw[1], raw[1])
     else:
         region = Region(*raw)
-        if region.rows < 1 or region.row_len > region.row_stride:
-            raise FormatError(f"tensor {name!r}: region {raw} needs rows >= 1 and row_len <= row_stride")
+        if region.rows < 1 or region.row_len > region.row_stride or (region.rows > 1 and region.row_len < 1):
+            raise FormatError(f"tensor {name!r}: region {raw} needs rows >= 1, row_len <= row_stride "
+                              "and rows of at least one element")
     end = region.offset + (region.rows - 1) * region.row_stride + region.row_len
     if end > numel:
         raise FormatError(f"tensor {name!r}: region {raw} ends at {end}, past its {numel} elements")
@@ -528,6 +569,7 @@ def _region(raw: Any, name: str, numel: int) -> Region:
 
 __all__ = [
     "FORMAT_NAME",
+    "MAX_NUMEL",
     "MIN_READER",
     "READS",
     "SCHEMA_VERSION",

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
@@ -75,6 +76,10 @@ class BucketReader:
         self.max_inflight_bytes = max_inflight_bytes
         self.fingerprint = fingerprint
         self._manifests: OrderedDict[int, Manifest] = OrderedDict()
+        self.remember_failures_s = 0.0
+        """A manifest refused as malformed is refused again from memory, without a download,
+        for this many seconds (0: read it again every time). The poller sets it."""
+        self._failed: dict[int, tuple[float, str]] = {}
 
     @classmethod
     def open(cls, url: str, *, store_options: Mapping[str, Any] | None = None, **kw: Any) -> BucketReader:
@@ -105,15 +110,25 @@ class BucketReader:
         if cached is not None:
             self._manifests.move_to_end(step)
             return cached
+        failed = self._failed.get(step)
+        if failed is not None and time.monotonic() < failed[0]:
+            raise FormatError(f"{failed[1]} (remembered; not downloaded again)")
         path = manifest_path(step)
         source = f"{self.store.url}/{path}"
-        m = Manifest.from_json(await self.store.read(path), source=source)
-        if m.step != step:
-            raise FormatError(f"{source}: holds step {m.step}, its name says {step}")
         try:
-            check_manifest(m)
+            m = Manifest.from_json(await self.store.read(path), source=source)
+            if m.step != step:
+                raise FormatError(f"{source}: holds step {m.step}, its name says {step}")
+            try:
+                check_manifest(m)
+            except FormatError as exc:
+                raise FormatError(f"{source}: {exc}") from exc
         except FormatError as exc:
-            raise FormatError(f"{source}: {exc}") from exc
+            if self.remember_failures_s > 0:
+                self._failed[step] = (time.monotonic() + self.remember_failures_s, str(exc))
+            exc.add_note(f"step={step}")
+            raise
+        self._failed.pop(step, None)
         self._manifests[step] = m
         if len(self._manifests) > _MANIFEST_CACHE:
             self._manifests.popitem(last=False)

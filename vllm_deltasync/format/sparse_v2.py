@@ -133,8 +133,25 @@ def _table(table: torch.Tensor, device: torch.device) -> torch.Tensor:
     return _TABLES_ON_DEVICE[key]
 
 
+_MAX_INDEX = (1 << 53) - 1
+_RAW_BYTES_PER_ELEMENT = 14
+"""Most bytes one element may take before compression: a 16-bit gap field, an 8-byte gap
+escape, a 16-bit value field and a 2-byte value escape (``raw_bytes`` is refused above this)."""
+
+
+def _meta_int(meta: Mapping[str, Any], key: str, low: int, high: int) -> int:
+    """An integer field of the chunk meta, checked to lie in ``[low, high]`` before use."""
+    value = meta[key]
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise FormatError(f"sparse-v2 chunk meta: {key}={str(value)[:40]} is not an integer in "
+                          f"[{low}, {high}]")
+    return value
+
+
 def _decode_gaps(roles: Mapping[str, torch.Tensor], meta: Mapping[str, Any], count: int, use_numpy: bool) -> torch.Tensor:
-    bits, m, first = int(meta["gap_bits"]), int(meta["gap_escapes"]), int(meta["first"])
+    bits = _meta_int(meta, "gap_bits", 8, 16)
+    m = _meta_int(meta, "gap_escapes", 0, count)
+    first = _meta_int(meta, "first", 0, _MAX_INDEX)
     if bits not in _FIELD_DTYPES:
         raise FormatError(f"sparse-v2 chunk meta: gap_bits={bits} is not 8 or 16")
     fields = _role(roles, "gaps", _FIELD_DTYPES[bits], count)
@@ -171,7 +188,7 @@ def _check_escapes(found: int, expected: int, what: str) -> None:
 def _decode_values(
     roles: Mapping[str, torch.Tensor], meta: Mapping[str, Any], count: int, use_numpy: bool
 ) -> tuple[torch.Tensor, bool]:
-    mode, k = meta["values"], int(meta["value_escapes"])
+    mode, k = meta["values"], _meta_int(meta, "value_escapes", 0, count)
     if mode == "raw":
         return _role(roles, "values", torch.bfloat16, count), False
     if mode == "diff16":
@@ -250,7 +267,7 @@ class SparseV2Codec(Codec):
     ) -> tuple[torch.Tensor | None, torch.Tensor, bool]:
         try:
             if meta.get("compression") == "zstd":
-                tensors = _zstd_unpack(tensors, meta)
+                tensors = _zstd_unpack(tensors, meta, count)
             elif meta.get("compression") != "none":
                 raise FormatError(f"sparse-v2 chunk meta: compression {meta.get('compression')!r} is unknown")
             if count == 0:
@@ -258,8 +275,9 @@ class SparseV2Codec(Codec):
                 return torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=dtype), meta["values"] != "raw"
             indices = _decode_gaps(tensors, meta, count, self.cpu_kernels == "numpy")
             values, relative = _decode_values(tensors, meta, count, self.cpu_kernels == "numpy")
-        except (KeyError, TypeError, ValueError) as exc:
-            raise FormatError(f"sparse-v2 chunk meta is incomplete or malformed ({exc!r})") from None
+        except (KeyError, TypeError, ValueError, OverflowError, IndexError) as exc:
+            raise FormatError(f"sparse-v2 chunk meta is incomplete or malformed "
+                              f"({type(exc).__name__}: {str(exc)[:200]})") from None
         return indices, values, relative
 
 
@@ -309,25 +327,42 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _zstd_unpack(tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+def _zstd_unpack(tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any], count: int) -> dict[str, torch.Tensor]:
+    """The roles out of the chunk's zstd frame. Nothing is allocated beyond what ``count``
+    elements may legitimately take: ``raw_bytes`` is checked against that bound, and the frame's
+    own content size (which the decompressor would otherwise allocate, whatever the limit
+    asked) against ``raw_bytes``, before anything is decompressed."""
     zstandard = _zstd()
     data = tensors.get("data")
     if data is None or data.dtype != torch.uint8 or data.dim() != 1:
         raise FormatError("sparse-v2-zstd: role 'data' (uint8, 1-D) is missing or malformed")
-    size = int(meta["raw_bytes"])
+    size = _meta_int(meta, "raw_bytes", 0, _RAW_BYTES_PER_ELEMENT * count + 64)
+    frame = data.cpu().numpy()
     try:
-        raw = zstandard.ZstdDecompressor().decompress(data.cpu().numpy(), max_output_size=size)
+        declared = zstandard.frame_content_size(frame)
+    except zstandard.ZstdError as exc:
+        raise FormatError(f"sparse-v2-zstd: the zstd frame header is corrupt ({exc})") from exc
+    if declared >= 0 and declared != size:  # -1: not in the header, bounded by max_output_size
+        raise FormatError(f"sparse-v2-zstd: the zstd frame says {declared} bytes, the manifest "
+                          f"{size}; refused before decompressing")
+    try:
+        raw = zstandard.ZstdDecompressor().decompress(frame, max_output_size=max(size, 1))
     except zstandard.ZstdError as exc:
         raise FormatError(f"sparse-v2-zstd: the zstd frame is corrupt ({exc})") from exc
     if len(raw) != size:
         raise FormatError(f"sparse-v2-zstd: {len(raw)} bytes after decompression, expected {size}")
     buf = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
     out, offset = {}, 0
-    for name, dtype_name, numel in meta["roles"]:
-        dtype = _DTYPES.get(dtype_name)
+    layout = meta["roles"]
+    if not isinstance(layout, list) or len(layout) > 8:
+        raise FormatError("sparse-v2-zstd: meta 'roles' must list at most 8 [name, dtype, length]")
+    for name, dtype_name, numel in layout:
+        dtype = _DTYPES.get(dtype_name) if isinstance(dtype_name, str) else None
         if dtype is None:
-            raise FormatError(f"sparse-v2-zstd: role {name!r} has unknown dtype {dtype_name!r}")
-        nbytes = int(numel) * dtype.itemsize
+            raise FormatError(f"sparse-v2-zstd: role {str(name)[:40]!r} has unknown dtype {str(dtype_name)[:40]!r}")
+        if isinstance(numel, bool) or not isinstance(numel, int) or not 0 <= numel <= size:
+            raise FormatError(f"sparse-v2-zstd: role {str(name)[:40]!r} length {str(numel)[:40]} is out of range")
+        nbytes = numel * dtype.itemsize
         if offset + nbytes > size:
             raise FormatError(f"sparse-v2-zstd: role {name!r} runs past the frame's {size} bytes")
         out[str(name)] = buf[offset : offset + nbytes].view(dtype)

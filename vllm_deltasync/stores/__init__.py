@@ -22,6 +22,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from vllm_deltasync._urls import check_bucket_url, redact_url
 from vllm_deltasync.errors import ConfigError
 from vllm_deltasync.stores._retry import RetryPolicy
 from vllm_deltasync.stores.base import ObjectInfo, Store, StoreStats
@@ -51,17 +52,18 @@ def split_scheme(url: str) -> tuple[str, str]:
 def open_store(url: str, **options: Any) -> Store:
     """The store for ``url``. ``options`` go to the backend's ``from_url`` (its ``store_options``:
     for s3:// and hf:// the fields of ``S3Options`` / ``HfOptions``; unknown keys are refused)."""
+    check_bucket_url(url)  # no credentials or query strings in a bucket URL
     scheme, _ = split_scheme(url)
     try:
         module_name, cls_name, extra = _REGISTRY[scheme]
     except KeyError:
         known = ", ".join(f"{s}://" for s in sorted(_REGISTRY))
-        raise ConfigError(f"bucket URL {url!r}: unknown scheme {scheme!r}; use one of {known}") from None
+        raise ConfigError(f"bucket URL {redact_url(url)!r}: unknown scheme {scheme!r}; use one of {known}") from None
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
         hint = f"; install it with `pip install 'vllm-deltasync[{extra}]'`" if extra else ""
-        raise ConfigError(f"bucket URL {url!r}: the {scheme}:// backend cannot be imported ({exc}){hint}") from exc
+        raise ConfigError(f"bucket URL {redact_url(url)!r}: the {scheme}:// backend cannot be imported ({exc}){hint}") from exc
     cls = getattr(module, cls_name)
     store: Store = cls.from_url(url, **options)
     return store

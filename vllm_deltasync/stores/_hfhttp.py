@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import aiohttp
 
+from vllm_deltasync._urls import redact_text, redact_url
 from vllm_deltasync.errors import (
     AlreadyExistsError,
     AuthError,
@@ -42,10 +43,17 @@ def hub_error(status: int, message: str, retry_after_s: float | None = None) -> 
     return StoreError(message)
 
 
-def error_for_response(status: int, headers: Mapping[str, str], what: str) -> StoreError:
-    """Translate an error answer; ``X-Error-Code`` refines the message."""
-    code = headers.get("X-Error-Code", "")
+def error_for_response(
+    status: int, headers: Mapping[str, str], what: str, secret: str | None = None
+) -> StoreError:
+    """Translate an error answer; ``X-Error-Code`` refines the message. What the server says
+    is cut to 200 characters, its URLs redacted and ``secret`` (the token) masked: a hostile
+    server may echo what it was sent."""
+    code = headers.get("X-Error-Code", "")[:64]
     detail = _NOT_FOUND_HINT.get(code, headers.get("X-Error-Message", ""))
+    if secret:
+        detail, code = detail.replace(secret, "<redacted>"), code.replace(secret, "<redacted>")
+    detail = redact_text(" ".join(detail.split())[:200])
     message = (
         f"{what}: HTTP {status}" + (f" {code}" if code else "") + (f" ({detail})" if detail else "")
     )
@@ -59,8 +67,10 @@ def error_for_response(status: int, headers: Mapping[str, str], what: str) -> St
 def connection_error(exc: aiohttp.ClientError, what: str) -> StoreError:
     """A network-level failure: transient unless it is a bad URL."""
     if isinstance(exc, aiohttp.InvalidURL):
-        return StoreError(f"{what}: invalid URL ({exc})")
-    return TransientStoreError(f"{what}: connection failed ({type(exc).__name__}: {exc})")
+        return StoreError(f"{what}: invalid URL ({redact_text(str(exc))})")
+    return TransientStoreError(
+        f"{what}: connection failed ({type(exc).__name__}: {redact_text(str(exc))})"
+    )
 
 
 async def parse_sse(stream: aiohttp.StreamReader) -> AsyncIterator[tuple[str, str, str | None]]:
@@ -68,7 +78,7 @@ async def parse_sse(stream: aiohttp.StreamReader) -> AsyncIterator[tuple[str, st
     kind, event_id = "message", None
     data: list[str] = []
     async for raw in stream:
-        line = raw.decode("utf-8").rstrip("\r\n")
+        line = raw.decode("utf-8", "replace").rstrip("\r\n")
         if not line:
             if data or kind != "message":
                 yield kind, "\n".join(data), event_id
@@ -100,7 +110,7 @@ def parse_hf_url(url: str) -> tuple[str, str]:
     parts = [p for p in rest.split("/") if p]
     if len(parts) < 3 or parts[0] != "buckets":
         raise ConfigError(
-            f"bucket URL {url!r}: expected hf://buckets/<namespace>/<name>[/<prefix>]"
+            f"bucket URL {redact_url(url)!r}: expected hf://buckets/<namespace>/<name>[/<prefix>]"
         )
     return f"{parts[1]}/{parts[2]}", "/".join(parts[3:])
 
@@ -121,17 +131,23 @@ def resolve_token(explicit: str | bool | None, environ: Mapping[str, str]) -> st
 
 
 def change_event(kind: str, data: str, cursor: str | None, prefix: str) -> ChangeEvent:
-    """A feed event with paths made relative to ``prefix`` (others and deletions dropped)."""
+    """A feed event with paths made relative to ``prefix`` (others and deletions dropped).
+
+    A ``changes`` event that is not the documented JSON becomes ``ChangeEvent("malformed")``:
+    one bad event never stops the feed (discovery counts it and lists again)."""
     if kind != "changes":
         return ChangeEvent(kind, (), cursor)
-    decoded = json.loads(data) if data else []
-    items = decoded.get("changes", [decoded]) if isinstance(decoded, dict) else decoded
-    root = f"{prefix}/" if prefix else ""
-    paths = tuple(
-        i["path"][len(root) :]
-        for i in items
-        if i.get("op") != "delete" and i["path"].startswith(root)
-    )
+    try:
+        decoded = json.loads(data) if data else []
+        items = decoded.get("changes", [decoded]) if isinstance(decoded, dict) else decoded
+        root = f"{prefix}/" if prefix else ""
+        paths = tuple(
+            i["path"][len(root) :]
+            for i in items
+            if i.get("op") != "delete" and i["path"].startswith(root)
+        )
+    except (ValueError, KeyError, TypeError, AttributeError, RecursionError):
+        return ChangeEvent("malformed", (), cursor)
     return ChangeEvent(kind, paths, cursor)
 
 

@@ -13,6 +13,7 @@ stores and CDNs give ~50-100 MB/s per connection, so throughput comes from paral
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
@@ -56,6 +57,12 @@ class RangedReader:
     on_retry: Callable[[TransientStoreError], None] | None = None
     on_resume: Callable[[int], None] | None = None
     """Called with the number of bytes kept when a part resumes after a cut."""
+    min_bytes_per_s: int | None = None
+    """A part that receives fewer bytes than this per second over ``rate_window_s`` (and is not
+    done) is cut and retried from where it stopped; None: no minimum rate."""
+    rate_window_s: float = 30.0
+    max_request_s: float | None = None
+    """Longest one request for a part may take, however fast it is; None: no cap."""
 
     async def read(self, start: int, end: int | None) -> bytes:
         if end is not None and end <= start:
@@ -88,11 +95,45 @@ class RangedReader:
         async def attempt() -> int | None:
             if buf and self.on_resume is not None:
                 self.on_resume(len(buf))
-            return await self.fetch(start + len(buf), end, buf)
+            if self.min_bytes_per_s is None and self.max_request_s is None:
+                return await self.fetch(start + len(buf), end, buf)
+            return await self._watched(self.fetch(start + len(buf), end, buf), buf)
 
         return await retry(
             attempt, what=self.what, policy=self.policy, gate=self.gate, on_retry=self.on_retry
         )
+
+
+    async def _watched(self, fetch: Awaitable[int | None], buf: Chunks) -> int | None:
+        """``fetch`` cut when too slow over a window or longer than ``max_request_s``."""
+        task = asyncio.ensure_future(fetch)
+        began = time.monotonic()
+        deadline = None if self.max_request_s is None else began + self.max_request_s
+        window = self.rate_window_s if self.min_bytes_per_s is not None else None
+        mark = len(buf)
+        try:
+            while True:
+                now = time.monotonic()
+                waits = [w for w in (window, None if deadline is None else deadline - now) if w is not None]
+                done, _ = await asyncio.wait({task}, timeout=max(0.0, min(waits)))
+                if done:
+                    return task.result()
+                now = time.monotonic()
+                if deadline is not None and now >= deadline:
+                    raise TransientStoreError(
+                        f"{self.what}: one request took longer than {self.max_request_s:g}s "
+                        f"(max_request_s); retrying from byte {len(buf)} of the part")
+                if window is not None and self.min_bytes_per_s is not None:
+                    got = len(buf) - mark
+                    if got < self.min_bytes_per_s * window:
+                        raise TransientStoreError(
+                            f"{self.what}: {got} bytes in {window:g}s, below the minimum "
+                            f"{self.min_bytes_per_s} B/s (min_bytes_per_s); retrying the rest")
+                    mark = len(buf)
+        finally:
+            if not task.done():
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
 
 
 def parse_content_range(value: str | None) -> int | None:

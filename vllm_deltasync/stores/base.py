@@ -31,8 +31,10 @@ from vllm_deltasync.errors import ConfigError
 def check_path(path: str) -> str:
     """Reject paths that could leave the store's prefix."""
     parts = path.split("/")
-    if not path or path.startswith("/") or "\\" in path or any(p in ("", ".", "..") for p in parts):
-        raise ConfigError(f"store path {path!r} must be relative, '/'-separated, without '.' or '..'")
+    if (not path or path.startswith("/") or "\\" in path or any(p in ("", ".", "..") for p in parts)
+            or any(ord(c) < 32 or c == "\x7f" for c in path)):
+        raise ConfigError(f"store path {path[:200]!r} must be relative, '/'-separated, without '.', "
+                          "'..' or control characters")
     return path
 
 

@@ -33,6 +33,7 @@ import builtins
 import dataclasses
 import json
 import os
+import socket
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -42,7 +43,7 @@ from urllib.parse import quote, urljoin, urlsplit
 import aiohttp
 from yarl import URL
 
-from vllm_deltasync._urls import redact_url
+from vllm_deltasync._urls import ADDRESS_CLASSES, address_class, redact_url, redirect_allowed
 from vllm_deltasync.errors import (
     ConfigError,
     NotFoundError,
@@ -97,6 +98,18 @@ class HfOptions:
     max_parallel_parts: int = 8
     request_timeout_s: float | None = 60.0
     """Longest silence on a socket before the read is retried (None: no limit)."""
+    min_bytes_per_s: int | None = 64 << 10
+    """A download slower than this over ``rate_window_s`` is cut and the rest retried (a body
+    trickling in never holds a step forever); None: no minimum."""
+    rate_window_s: float = 30.0
+    max_request_s: float | None = 900.0
+    """Cap on one request, however fast (a part of ``part_size`` bytes, a listing page)."""
+    max_redirects: int = 10
+    """Longest redirect chain followed (the resolve redirect included)."""
+    allow_redirects_to: tuple[str, ...] = ()
+    """Address classes (``private``, ``loopback``, ``link-local``) a redirect may lead to from
+    an origin of another class. By default a redirect is followed only to a public address or
+    to one of the origin's own class (local test servers, on-premises mirrors)."""
     retry_policy: RetryPolicy = field(default_factory=RetryPolicy)
 
     def __post_init__(self) -> None:
@@ -121,6 +134,21 @@ class HfOptions:
             raise ConfigError(
                 f"{owner}.request_timeout_s={timeout!r}: use a number of seconds > 0, or None for no limit"
             )
+        for name in ("rate_window_s", "max_request_s"):
+            value = getattr(self, name)
+            if (value is not None or name == "rate_window_s") and (
+                isinstance(value, bool) or not isinstance(value, int | float) or value <= 0
+            ):
+                raise ConfigError(f"{owner}.{name}={value!r}: use a number of seconds > 0"
+                                  + ("" if name == "rate_window_s" else ", or None for no cap"))
+        if self.min_bytes_per_s is not None:
+            _options.check_int(owner, "min_bytes_per_s", self.min_bytes_per_s, 1, " bytes per second")
+        _options.check_int(owner, "max_redirects", self.max_redirects, 1)
+        allow = self.allow_redirects_to
+        if isinstance(allow, str) or not all(c in ADDRESS_CLASSES[1:] for c in allow):
+            raise ConfigError(f"{owner}.allow_redirects_to={allow!r}: use a list of "
+                              f"{', '.join(map(repr, ADDRESS_CLASSES[1:]))}")
+        object.__setattr__(self, "allow_redirects_to", tuple(allow))
         object.__setattr__(self, "retry_policy", _options.retry_policy(owner, self.retry_policy))
 
     @classmethod
@@ -186,8 +214,9 @@ class HfStore(Store):
         self._owns_session = session is None
         self._uploader = uploader
         self._timeout = aiohttp.ClientTimeout(
-            total=None, sock_connect=30, sock_read=self.options.request_timeout_s
+            total=self.options.max_request_s, sock_connect=30, sock_read=self.options.request_timeout_s
         )
+        self._classes: dict[str, str | None] = {}
         self.gates = {"api": RateGate("api"), "resolve": RateGate("resolve")}
         self._quota: dict[str, tuple[int, float]] = {}
         self.resumed_bytes = 0
@@ -257,14 +286,15 @@ class HfStore(Store):
         """One request: (status, headers, body, links); a 404 is returned when ``ok404``."""
         try:
             async with self._http().request(
-                method, URL(url, encoded=True), headers=self._auth(url), allow_redirects=False, **kw
+                method, URL(url, encoded=True), headers=self._auth(url), allow_redirects=False,
+                timeout=self._timeout, **kw
             ) as resp:
                 self._note_quota(kind, resp.headers)
                 body = await resp.read()
                 if resp.status == 404 and ok404:
                     return 404, resp.headers, body, {}
                 if resp.status >= 400:
-                    raise error_for_response(resp.status, resp.headers, what)
+                    raise error_for_response(resp.status, resp.headers, what, self.__token())
                 return resp.status, resp.headers, body, dict(resp.links)
         except aiohttp.ClientError as exc:
             raise connection_error(exc, what) from exc
@@ -338,11 +368,11 @@ class HfStore(Store):
             if status == 404:
                 self._raise_if_no_bucket(headers)
                 return []
-            for item in json.loads(body):
+            for item in _json_list(body, f"{self.url}: list"):
                 path = item.get("path", "")
-                if item.get("type") == "file" and path.startswith(full):
+                if item.get("type") == "file" and isinstance(path, str) and path.startswith(full):
                     found.append(
-                        ObjectInfo(self._rel(path), int(item["size"]), item.get("xetHash"))
+                        ObjectInfo(self._rel(path), _size(item.get("size"), path), item.get("xetHash"))
                     )
             nxt = links.get("next")
             url = urljoin(url, str(nxt["url"])) if nxt else None
@@ -369,8 +399,8 @@ class HfStore(Store):
             json=payload,
         )
         return [
-            ObjectInfo(self._rel(i["path"]), int(i["size"]), i.get("xetHash"))
-            for i in json.loads(body)
+            ObjectInfo(self._rel(str(i.get("path", ""))), _size(i.get("size"), str(i.get("path"))), i.get("xetHash"))
+            for i in _json_list(body, f"{self.url}: paths-info")
             if i.get("type", "file") == "file"
         ]
 
@@ -387,7 +417,7 @@ class HfStore(Store):
             self._raise_if_no_bucket(headers)
             return None
         size = headers.get("X-Linked-Size") or headers.get("Content-Length") or "0"
-        return ObjectInfo(path, int(size), headers.get("X-Xet-Hash"))
+        return ObjectInfo(path, _size(size, path), headers.get("X-Xet-Hash"))
 
     async def read(self, path: str, start: int = 0, end: int | None = None) -> bytes:
         what = f"{self.url}/{path}"
@@ -400,6 +430,9 @@ class HfStore(Store):
             max_parallel_parts=self.max_parallel_parts,
             on_retry=self._count_retry("read"),
             on_resume=self._count_resume,
+            min_bytes_per_s=self.options.min_bytes_per_s,
+            rate_window_s=self.options.rate_window_s,
+            max_request_s=self.options.max_request_s,
         )
         data = await reader.read(start, end)
         self.stats.bytes_read += len(data)
@@ -419,25 +452,77 @@ class HfStore(Store):
             self._raise_if_no_bucket(headers)
             raise NotFoundError(f"{what}: no such object in the bucket (EntryNotFound)")
         if status in _REDIRECTS and headers.get("Location"):
-            return urljoin(url, headers["Location"])
+            target = urljoin(url, headers["Location"])
+            await self._check_redirect(url, target, what)
+            return target
         return url
+
+    async def _host_class(self, url: str) -> str | None:
+        """The address class of ``url``'s host (resolved when it is a name; cached)."""
+        host = urlsplit(url).hostname or ""
+        if host not in self._classes:
+            found = address_class(host)
+            if found is None:
+                try:
+                    infos = await asyncio.get_running_loop().getaddrinfo(
+                        host, None, type=socket.SOCK_STREAM)
+                except OSError:
+                    infos = []  # unresolvable: the request itself will fail
+                classes = {address_class(str(info[4][0])) for info in infos}
+                # the least public class wins: one private address makes the host private
+                for kind in ("link-local", "loopback", "private", "public"):
+                    if kind in classes:
+                        found = kind
+                        break
+            self._classes[host] = found
+        return self._classes[host]
+
+    async def _check_redirect(self, origin: str, target: str, what: str) -> None:
+        """The redirect rule (docs/transports.md): never from a public origin to a private,
+        loopback or link-local address; same class and public targets allowed; more by
+        ``allow_redirects_to``. A refused redirect is a StoreError (not retried)."""
+        if urlsplit(target).scheme not in ("http", "https"):
+            raise StoreError(f"{what}: redirected to a non-HTTP URL; refused")
+        origin_class = await self._host_class(origin) or "public"
+        target_class = await self._host_class(target)
+        if target_class is None:
+            return
+        if not redirect_allowed(origin_class, target_class, self.options.allow_redirects_to):
+            self.stats.count("redirect", "refused")
+            raise StoreError(
+                f"{what}: a {origin_class} origin redirected to a {target_class} address "
+                f"({urlsplit(target).hostname}); refused (HfOptions.allow_redirects_to allows it)"
+            )
 
     async def _fetch(
         self, url: str, start: int, end: int | None, buf: Chunks, what: str
     ) -> int | None:
+        for _ in range(self.options.max_redirects):
+            target = await self._fetch_once(url, start, end, buf, what)
+            if not isinstance(target, str):
+                return target
+            await self._check_redirect(url, target, what)
+            url = target
+        self.stats.count("redirect", "refused")
+        raise StoreError(f"{what}: more than {self.options.max_redirects} redirects "
+                         "(HfOptions.max_redirects); a redirect loop?")
+
+    async def _fetch_once(
+        self, url: str, start: int, end: int | None, buf: Chunks, what: str
+    ) -> int | str | None:
+        """One GET of a range: the total size (or None), or the URL a redirect points to."""
         headers = {**self._auth(url), "Range": range_header(start, end)}
         try:
             async with self._http().get(
-                URL(url, encoded=True), headers=headers, allow_redirects=False
+                URL(url, encoded=True), headers=headers, allow_redirects=False,
+                timeout=self._timeout,
             ) as resp:
                 if resp.status == 416:
                     return 0
                 if resp.status in _REDIRECTS and resp.headers.get("Location"):
-                    return await self._fetch(
-                        urljoin(url, resp.headers["Location"]), start, end, buf, what
-                    )
+                    return urljoin(url, resp.headers["Location"])
                 if resp.status >= 400:
-                    raise error_for_response(resp.status, resp.headers, what)
+                    raise error_for_response(resp.status, resp.headers, what, self.__token())
                 if resp.status == 200 and start > 0:
                     raise StoreError(
                         f"{what}: the server ignored the Range header; cannot read parts"
@@ -464,12 +549,15 @@ class HfStore(Store):
         timeout = aiohttp.ClientTimeout(total=None, sock_read=None)
         try:
             async with self._http().get(
-                URL(url, encoded=True), headers=headers, timeout=timeout
+                URL(url, encoded=True), headers=headers, timeout=timeout, allow_redirects=False
             ) as resp:
-                self.stats.count("events", "ok" if resp.status < 400 else "error")
+                self.stats.count("events", "ok" if resp.status < 300 else "error")
+                if 300 <= resp.status < 400:
+                    raise StoreError(f"{self.url}: events feed answered a redirect "
+                                     f"(HTTP {resp.status}); the feed is not followed there")
                 if resp.status >= 400:
                     error = error_for_response(
-                        resp.status, resp.headers, f"{self.url}: events feed"
+                        resp.status, resp.headers, f"{self.url}: events feed", self.__token()
                     )
                     if isinstance(error, RateLimitedError) and error.retry_after_s:
                         self.gates["api"].block_for(error.retry_after_s)
@@ -529,6 +617,28 @@ class HfStore(Store):
         if self._owns_session and self._session is not None and not self._session.closed:
             await self._session.close()
         self._session = None
+
+
+def _json_list(body: bytes, what: str) -> builtins.list[dict[str, Any]]:
+    """A JSON array of objects from the bucket API, or a :class:`StoreError` (an HTML page, a
+    captive portal, garbage) that says so in one line."""
+    try:
+        items = json.loads(body)
+    except (ValueError, RecursionError):
+        raise StoreError(f"{what}: the answer is not the bucket API's JSON (an HTML page or a "
+                         "proxy in the way?); check the endpoint") from None
+    if not isinstance(items, builtins.list) or not all(isinstance(i, dict) for i in items):
+        raise StoreError(f"{what}: the answer is JSON but not a list of entries; check the endpoint")
+    return items
+
+
+def _size(value: Any, path: str) -> int:
+    """An object size from a header or a listing, checked (a bad one is a StoreError)."""
+    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 1 << 53:
+        return value
+    if isinstance(value, str) and value.isdigit() and len(value) <= 16:
+        return int(value)
+    raise StoreError(f"{path[:200]}: the server gave a bad size {str(value)[:40]!r}")
 
 
 __all__ = ["ChangeEvent", "HfOptions", "HfStore", "RetryPolicy", "Uploader", "parse_hf_url", "resolve_token"]

@@ -4,22 +4,32 @@ Writes go to a hidden temporary file in the target folder, are fsync'ed, then pu
 under the final name in one step (``os.link``, which refuses an existing name, or
 ``os.replace`` when overwriting is asked for), so a reader sees a whole object or nothing.
 Blocking file calls run in the default thread pool.
+
+A writer killed between the temporary file and the publish leaves the temporary file behind
+(hidden from ``list``). The first write of every ``LocalStore`` removes temporary files that
+have not changed for ``stale_temp_s`` (default 10 minutes: a live writer keeps its file's
+mtime fresh), so the next publisher on the bucket cleans up after a killed one;
+:meth:`LocalStore.remove_stale_temp` does it on demand.
 """
 
 from __future__ import annotations
 
 import asyncio
 import builtins
+import logging
 import os
 import secrets
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from vllm_deltasync._urls import redact_url
 from vllm_deltasync.errors import AlreadyExistsError, ConfigError, NotFoundError, StoreError
 from vllm_deltasync.stores.base import ObjectInfo, Store, check_path
 
 _TMP_PREFIX = ".tmp-"
+logger = logging.getLogger(__name__)
 
 
 class LocalStore(Store):
@@ -27,17 +37,45 @@ class LocalStore(Store):
 
     scheme = "file"
 
-    def __init__(self, root: str | os.PathLike[str], *, fsync: bool = True) -> None:
+    def __init__(
+        self, root: str | os.PathLike[str], *, fsync: bool = True, stale_temp_s: float = 600.0
+    ) -> None:
         super().__init__()
         self.root = Path(root).expanduser().absolute()
         self.fsync = fsync
+        self.stale_temp_s = stale_temp_s
+        self._swept = False
+
+    def remove_stale_temp(self, older_than_s: float | None = None) -> list[str]:
+        """Delete temporary files left by killed writers (unchanged for ``older_than_s``,
+        default ``stale_temp_s``); returns their paths relative to the root."""
+        limit = self.stale_temp_s if older_than_s is None else older_than_s
+        cutoff = time.time() - limit
+        removed: builtins.list[str] = []
+        for dirpath, _, filenames in os.walk(self.root):
+            for name in filenames:
+                if not name.startswith(_TMP_PREFIX):
+                    continue
+                full = Path(dirpath) / name
+                try:
+                    if full.stat().st_mtime <= cutoff:
+                        full.unlink()
+                        removed.append(str(full.relative_to(self.root)))
+                except FileNotFoundError:
+                    continue
+        for rel in removed:
+            _remove_empty_dirs((self.root / rel).parent, self.root)
+        if removed:
+            logger.info("%s: removed %d temporary file(s) left by a killed writer",
+                        self.url, len(removed))
+        return removed
 
     @classmethod
     def from_url(cls, url: str, **options: Any) -> LocalStore:
         """``file:///abs/dir``, ``file://rel/dir`` or a bare path."""
         rest = url.split("://", 1)[1] if "://" in url else url
         if not rest:
-            raise ConfigError(f"bucket URL {url!r} names no directory; use file:///path/to/bucket")
+            raise ConfigError(f"bucket URL {redact_url(url)!r} names no directory; use file:///path/to/bucket")
         return cls(rest, **options)
 
     @property
@@ -104,6 +142,12 @@ class LocalStore(Store):
         self.stats.bytes_written += len(data)
 
     def _write(self, path: str, data: bytes | memoryview, overwrite: bool) -> None:
+        if not self._swept:
+            self._swept = True
+            try:
+                self.remove_stale_temp()
+            except OSError as exc:  # best effort: never fail a write for it
+                logger.warning("%s: could not remove stale temporary files: %s", self.url, exc)
         full = self._full(path)
         if not overwrite and full.exists():
             self.stats.count("write", "error")

@@ -44,7 +44,7 @@ def parse_s3_url(url: str) -> tuple[str, str]:
     rest = url.split("://", 1)[1] if "://" in url else url
     bucket, _, prefix = rest.partition("/")
     if not bucket:
-        raise ConfigError(f"bucket URL {url!r}: expected s3://<bucket>[/<prefix>]")
+        raise ConfigError(f"bucket URL {redact_url(url)!r}: expected s3://<bucket>[/<prefix>]")
     return bucket, prefix.strip("/")
 
 

@@ -58,6 +58,11 @@ class WatcherStats:
     events_connects: int = 0
     events_received: int = 0
     events_unavailable: int = 0
+    events_malformed: int = 0
+    """Feed events that were not the documented JSON (skipped; a listing follows)."""
+    events_silent: int = 0
+    """Feed connections that stayed silent past ``events_idle_s``, or missed a step a probe
+    found (the feed is then distrusted for ``events_retry_s`` and discovery polls)."""
     rate_limited: int = 0
     errors: int = 0
     pace_factor: float = 1.0
@@ -117,6 +122,8 @@ class StepWatcher:
         events_min_connect_interval_s: float = 30.0,
         retry_policy: RetryPolicy | None = None,
         pace_to_quota: bool = True,
+        events_idle_s: float = 120.0,
+        events_check_s: float | None = None,
     ) -> None:
         if probe_interval_s <= 0 or listing_interval_s < probe_interval_s:
             raise ConfigError(
@@ -141,6 +148,12 @@ class StepWatcher:
         self._failures = 0
         self.pace_to_quota = pace_to_quota
         self._pacers = {"api": QuotaPacer(), "resolve": QuotaPacer()}
+        self.events_idle_s = events_idle_s
+        self.events_check_s = (
+            max(3 * probe_interval_s, 30.0) if events_check_s is None else events_check_s
+        )
+        self._checked_at = time.monotonic()
+        self._distrust_until = 0.0
 
     # -- public ------------------------------------------------------------------------------
 
@@ -178,7 +191,10 @@ class StepWatcher:
                 await self._list()
             elif self._feed_live:
                 self.stats.mode = "events"
-                await self._sleep_or_wake(min(deadline, self._next_listing()) - time.monotonic())
+                if time.monotonic() - self._checked_at >= self.events_check_s:
+                    await self._check_feed(after)
+                wake_at = min(deadline, self._next_listing(), self._checked_at + self.events_check_s)
+                await self._sleep_or_wake(wake_at - time.monotonic())
             else:
                 self.stats.mode = "polling"
                 if not await self._probe(after):
@@ -187,14 +203,38 @@ class StepWatcher:
         except TransientStoreError as exc:
             await self._back_off(exc)
 
+    async def _check_feed(self, after: int | None) -> None:
+        """While the feed is live, probe the next name now and then: a step the feed did not
+        announce means it went silent; distrust it (poll) for ``events_retry_s``."""
+        self._checked_at = time.monotonic()
+        known = self.latest
+        if known is None:
+            return
+        self.stats.probes += 1
+        if await self.store.stat(manifest_path(known + self.stride)) is None:
+            return
+        self.stats.probe_hits += 1
+        self._note(known + self.stride)
+        self.stats.events_silent += 1
+        logger.warning("events feed of %s missed step %d; polling instead for %.0fs",
+                       self.store.url, known + self.stride, self.events_retry_s)
+        self._distrust_feed()
+
+    def _distrust_feed(self) -> None:
+        self._feed_live = False
+        self._distrust_until = time.monotonic() + self.events_retry_s
+        if self._events_task is not None:
+            self._events_task.cancel()
+            self._events_task = None
+
     def _listing_due(self) -> bool:
         return self._listed_at is None or time.monotonic() >= self._next_listing()
 
+    def _listing_interval(self) -> float:
+        return self.listing_interval_s if self.latest is not None else self.empty_listing_interval_s
+
     def _next_listing(self) -> float:
-        interval = (
-            self.listing_interval_s if self.latest is not None else self.empty_listing_interval_s
-        )
-        return (self._listed_at or 0.0) + interval * self._pacers["api"].factor
+        return (self._listed_at or 0.0) + self._listing_interval() * self._pacers["api"].factor
 
     def _pace(self, kind: str) -> float:
         """Interval factor for quota ``kind`` from the store's last ``RateLimit`` reading."""
@@ -273,7 +313,8 @@ class StepWatcher:
     # -- events feed ---------------------------------------------------------------------------
 
     def _start_events(self) -> None:
-        if self.use_events and self._events_task is None:
+        if (self.use_events and self._events_task is None
+                and time.monotonic() >= self._distrust_until):
             self._events_task = asyncio.create_task(self._follow_feed(), name="deltasync-events")
 
     async def _follow_feed(self) -> None:
@@ -298,14 +339,31 @@ class StepWatcher:
                     "events feed of %s unavailable, polling instead: %s", self.store.url, exc
                 )
                 wait = self.events_retry_s
+            except Exception as exc:  # noqa: BLE001 - a hostile stream must not end the feed task
+                self._feed_live = False
+                self.stats.events_malformed += 1
+                self._failures += 1
+                logger.warning("events feed of %s broke (%s); reconnecting", self.store.url,
+                               type(exc).__name__)
+                wait = self.retry_policy.backoff_s(min(self._failures, 8))
             if wait > 0:
                 await asyncio.sleep(wait)
 
     async def _consume(self, cursor: str | None) -> str | None:
         feed: Any = self.store.changes(cursor)  # type: ignore[attr-defined]
         self.stats.events_connects += 1
+        events = feed.__aiter__()
         try:
-            async for event in feed:
+            while True:
+                try:
+                    event = await asyncio.wait_for(events.__anext__(), self.events_idle_s)
+                except StopAsyncIteration:
+                    break
+                except TimeoutError:
+                    self.stats.events_silent += 1
+                    raise TransientStoreError(
+                        f"{self.store.url}: events feed silent for {self.events_idle_s:g}s; "
+                        "polling until it reconnects") from None
                 cursor = event.cursor or cursor
                 if event.kind == "ready":
                     self._feed_live = True
@@ -313,6 +371,11 @@ class StepWatcher:
                     self._wake.set()
                 elif event.kind == "reset":
                     self._listed_at = None
+                    self._wake.set()
+                elif event.kind == "malformed":
+                    self.stats.events_malformed += 1
+                    soon = time.monotonic() - self._listing_interval() + self.probe_interval_s
+                    self._listed_at = min(self._listed_at or soon, soon)  # list, at most this often
                     self._wake.set()
                 elif event.kind == "changes":
                     self.stats.events_received += 1
@@ -322,6 +385,8 @@ class StepWatcher:
         finally:
             self._feed_live = False
             self.stats.mode = "polling"
+            with contextlib.suppress(Exception):
+                await feed.aclose()
         return cursor
 
 

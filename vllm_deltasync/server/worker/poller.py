@@ -23,8 +23,9 @@ from collections.abc import Callable
 from typing import Any
 
 from vllm_deltasync._loop import BackgroundLoop
+from vllm_deltasync._urls import redact_text
 from vllm_deltasync.config import SyncConfig
-from vllm_deltasync.errors import FingerprintError, IntegrityError
+from vllm_deltasync.errors import ChainError, FingerprintError, FormatError, IntegrityError
 from vllm_deltasync.format.codec import TensorPatch
 from vllm_deltasync.format.manifest import Manifest
 from vllm_deltasync.format.reader import BucketReader
@@ -33,6 +34,10 @@ from vllm_deltasync.server.worker.discovery import StepWatcher
 from vllm_deltasync.server.worker.state import StagedStep, SyncState
 
 logger = logging.getLogger(__name__)
+
+CORRUPT_RETRY_MAX_S = 300.0
+"""Longest wait before a step that failed verification is downloaded again (the wait starts at
+the poll interval and doubles per failure); a newer anchor is followed meanwhile."""
 
 Prepare = Callable[[Manifest, list[TensorPatch]], tuple[Any, int]]
 """``prepare(manifest, patches) -> (payload, host_bytes)``: runs on a worker thread of the
@@ -73,8 +78,13 @@ class Poller:
             probe_interval_s=config.poll_interval_s,
             listing_interval_s=max(60.0, config.poll_interval_s),
             empty_listing_interval_s=config.poll_interval_s,
+            # discovery backs off like the store retries (store_options.retry_policy)
+            retry_policy=getattr(self._reader.store, "retry_policy", None),
         )
         self._floor: int | None = None
+        self._bad: dict[int, tuple[int, float]] = {}
+        """Steps that failed verification -> (failures, monotonic time of the next try)."""
+        self._reader.remember_failures_s = config.poll_interval_s
         self._loop = BackgroundLoop(name=f"deltasync-poller-rank{rank}")
         self._room: asyncio.Event | None = None
         self._task: Any = None
@@ -137,13 +147,40 @@ class Poller:
             self._floor = await self._guarded(self._reader.latest_step(), "discover")
         while True:
             try:
-                await self._round()
-                self.state.set_poll_error(None)
+                if await self._round():
+                    self.state.set_poll_error(None)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # noqa: BLE001 - any failure is reported, then retried
                 self._report(exc)
+                self._remember_bad(exc)
                 await asyncio.sleep(self.config.poll_interval_s)
+
+    def _remember_bad(self, exc: BaseException) -> None:
+        """A step that failed verification is not downloaded again before its backoff ends
+        (poll interval doubling per failure, up to ``corrupt_retry_max_s``): a corrupt step
+        costs a few requests, not one download per poll."""
+        if not isinstance(exc, FormatError) or isinstance(exc, ChainError | FingerprintError):
+            return
+        step = _step_of(exc)
+        if step is None:
+            return
+        failures = self._bad.get(step, (0, 0.0))[0] + 1
+        wait = min(self.config.poll_interval_s * 2 ** min(failures, 20), CORRUPT_RETRY_MAX_S)
+        self._bad[step] = (failures, time.monotonic() + wait)
+        while len(self._bad) > 64:  # bounded: the oldest steps are forgotten first
+            del self._bad[min(self._bad)]
+        self._reader.remember_failures_s = wait
+        logger.warning("deltasync rank=%d: step %d failed verification (%d time(s)); not "
+                       "downloaded again for %.1fs", self.rank, step, failures, wait)
+
+    def _backing_off(self, steps: list[int]) -> int | None:
+        now = time.monotonic()
+        for step in steps:
+            bad = self._bad.get(step)
+            if bad is not None and now < bad[1]:
+                return step
+        return None
 
     async def _guarded(self, coro: Any, stage: str) -> Any:
         try:
@@ -157,12 +194,14 @@ class Poller:
     def _report(self, exc: BaseException) -> None:
         stage = _stage_of(exc)
         self.stats.add_failure(stage, exc)
-        text = f"{error_reason(exc)}: {exc}"
+        text = redact_text(f"{error_reason(exc)}: {exc}")
         if text != self.state.poll_error():
             logger.error("deltasync rank=%d %s failed: %s", self.rank, stage, text)
         self.state.set_poll_error(text)
 
-    async def _round(self) -> None:
+    async def _round(self) -> bool:
+        """One discovery and staging round; False while a corrupt step is backed off from
+        (its error stays reported)."""
         tip, generation = self.state.plan_base()
         after = tip if self._floor is None or (tip is not None and tip > self._floor) else self._floor
         target = await self._guarded(
@@ -170,31 +209,38 @@ class Poller:
             "discover",
         )
         latest = self._watcher.latest
+        if latest is not None and self._backing_off([latest]) is not None:
+            latest = None  # a corrupt newest step: its manifest is not read again yet
+        if target is not None and self._backing_off([target]) is not None:
+            return False
         if latest is not None and latest != self.state.newest_step():
             newest = await self._guarded(self._reader.manifest(latest), "discover")
             self.state.saw(latest, newest.created_at)
         else:
             self.state.saw(None, None)
         if target is None:
-            return
+            return self._backing_off(list(self._bad)) is None
         plan = await self._guarded(
             self._reader.plan(tip, target, max_chain=self.config.max_chain), "discover"
         )
+        if self._backing_off([m.step for m in plan]) is not None:
+            return False  # a step on the chain failed verification; wait for its backoff or an anchor
         bad = self.state.failed_steps(m.step for m in plan)
         if bad:  # wait for an anchor newer than the step whose switch failed
             self._floor = max(target, self._floor or target)
             logger.warning("deltasync rank=%d: step %d is on a chain through step %d, whose "
                            "switch failed; waiting for a newer anchor", self.rank, target, bad[-1])
-            return
+            return True
         for manifest in plan:
             await self._wait_for_room()
             staged = await self._stage(manifest)
             if not self.state.stage(generation, staged):
-                return  # reset while staging: plan again from the new base
+                return True  # reset while staging: plan again from the new base
             logger.info(
                 "deltasync staged step=%d kind=%s rank=%d bytes=%d in %.3fs",
                 manifest.step, manifest.kind, self.rank, staged.downloaded_bytes, staged.download_s,
             )
+        return True
 
     async def _wait_for_room(self) -> None:
         assert self._room is not None
@@ -228,7 +274,15 @@ class Poller:
             raise
         except Exception as exc:
             exc.add_note("stage=download")
+            exc.add_note(f"step={manifest.step}")
             raise
+
+
+def _step_of(exc: BaseException) -> int | None:
+    for note in reversed(getattr(exc, "__notes__", ()) or ()):
+        if note.startswith("step=") and note[5:].isdigit():
+            return int(note[5:])
+    return None
 
 
 def _stage_of(exc: BaseException) -> str:

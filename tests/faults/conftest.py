@@ -1,0 +1,180 @@
+"""Helpers of the fault matrix: a misbehaving HTTP server on loopback, planted secrets, a small
+published bucket, and checks that a secret appears nowhere.
+
+``Hostile`` is a real aiohttp server on 127.0.0.1 (its own thread and loop). A test installs
+handlers per route (``hostile.on("GET", "/path", handler)``); every request is logged in
+``hostile.log``. Nothing here sends traffic to a non-loopback address: redirects to private
+or link-local addresses must be refused before any connection, which is what the tests check.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import threading
+from collections.abc import Awaitable, Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from aiohttp import web
+
+from tests.format.conftest import Trainer, publish_run
+from vllm_deltasync.format.manifest import merge_ranges
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+PLANTED = ("AKIAPLANTEDKEY0001", "planted-secret-0001", "planted-session-token-0001",
+           "hf_planted_token_0001")
+"""Strings that must never appear in any output, log, error or metric."""
+
+
+class Hostile:
+    """A small aiohttp server on loopback whose routes misbehave on purpose."""
+
+    def __init__(self) -> None:
+        self.handlers: dict[tuple[str, str], Handler] = {}
+        self.log: list[tuple[str, str]] = []
+        self.url = ""
+        self._loop = asyncio.new_event_loop()
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._serve, daemon=True, name="hostile-http")
+        self._runner: web.AppRunner | None = None
+
+    def on(self, method: str, path: str, handler: Handler) -> None:
+        self.handlers[(method, path)] = handler
+
+    async def _dispatch(self, request: web.Request) -> web.StreamResponse:
+        self.log.append((request.method, request.path_qs))
+        handler = self.handlers.get((request.method, request.path))
+        if handler is None and request.method == "HEAD":
+            handler = self.handlers.get(("GET", request.path))
+        if handler is None:
+            return web.Response(status=404, headers={"X-Error-Code": "EntryNotFound"})
+        return await handler(request)
+
+    def _serve(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        app = web.Application()
+        app.router.add_route("*", "/{tail:.*}", self._dispatch)
+        self._runner = web.AppRunner(app, access_log=None)
+        self._loop.run_until_complete(self._runner.setup())
+        site = web.TCPSite(self._runner, "127.0.0.1", 0)
+        self._loop.run_until_complete(site.start())
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        self.url = f"http://127.0.0.1:{port}"
+        self._ready.set()
+        self._loop.run_forever()
+
+    def __enter__(self) -> Hostile:
+        self._thread.start()
+        self._ready.wait(10)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        async def stop() -> None:
+            if self._runner is not None:
+                await self._runner.cleanup()
+
+        asyncio.run_coroutine_threadsafe(stop(), self._loop).result(10)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+
+
+@pytest.fixture
+def hostile() -> Iterator[Hostile]:
+    with Hostile() as server:
+        yield server
+
+
+def assert_no_secret(*texts: Any) -> None:
+    """None of :data:`PLANTED` (nor the query of a signed URL) in any of ``texts``."""
+    for text in texts:
+        shown = text if isinstance(text, str) else json.dumps(text, default=str)
+        for secret in PLANTED:
+            assert secret not in shown, f"secret {secret!r} leaked in: {shown[:500]}"
+
+
+@pytest.fixture
+def all_logs(caplog: pytest.LogCaptureFixture) -> Iterator[pytest.LogCaptureFixture]:
+    caplog.set_level(logging.DEBUG)
+    yield caplog
+
+
+@pytest.fixture
+def small_bucket(tmp_path: Path) -> tuple[str, dict[int, Any]]:
+    """file:// bucket: anchor 0, deltas 1..3 (v2, several chunks per tensor)."""
+    url = f"file://{tmp_path}/bucket"
+    truth = publish_run(url, range(4), Trainer(seed=11, lr=3e-6), anchor_every=10,
+                        max_file_bytes=2048, codec="sparse-v2")
+    return url, truth
+
+
+def manifest_doc(root: Path, step: int) -> dict[str, Any]:
+    return json.loads((root / "manifests" / f"{step:012d}.json").read_text())
+
+
+def write_doc(root: Path, step: int, doc: dict[str, Any] | bytes) -> None:
+    data = doc if isinstance(doc, bytes) else json.dumps(doc).encode()
+    (root / "manifests" / f"{step:012d}.json").write_bytes(data)
+
+
+def reindex(doc: dict[str, Any]) -> None:
+    """Keep a hostile v2 manifest self-consistent (file index = its chunks' byte ranges)."""
+    found: list[dict[str, list[tuple[int, int]]]] = [{} for _ in doc["files"]]
+    for t in doc["tensors"]:
+        for c in t["chunks"]:
+            for r in c["roles"].values():
+                found[c["file"]].setdefault(t["name"], []).append((r["offset"], r["length"]))
+    for f, ranges in zip(doc["files"], found, strict=True):
+        f["index"] = {n: [list(r) for r in merge_ranges(rs)] for n, rs in ranges.items()}
+
+
+def root_of(url: str) -> Path:
+    return Path(url[len("file://"):])
+
+
+def rewrite_role(root: Path, doc: dict[str, Any], tensor: dict[str, Any], chunk: dict[str, Any],
+                 role: str, data: bytes) -> None:
+    """What a hostile (or buggy) publisher can do: give one role of a v2 chunk new bytes,
+    appended to its data file, with every digest, size and index made consistent again, so
+    only the decoder's own checks stand between the bytes and the weights."""
+    import hashlib
+
+    entry = doc["files"][chunk["file"]]
+    path = root / entry["path"]
+    body = path.read_bytes()
+    chunk["roles"][role]["offset"], chunk["roles"][role]["length"] = len(body), len(data)
+    body += data
+    path.write_bytes(body)
+    entry["size"], entry["sha256"] = len(body), hashlib.sha256(body).hexdigest()
+    digest = hashlib.sha256()
+    for name in sorted(chunk["roles"]):
+        r = chunk["roles"][name]
+        digest.update(body[r["offset"]: r["offset"] + r["length"]])
+    chunk["sha256"] = digest.hexdigest()
+    doc["totals"]["bytes"] = sum(f["size"] for f in doc["files"])
+    reindex(doc)
+
+
+def sparse_chunk(doc: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The (tensor, chunk) of a delta with the most changed elements in one chunk."""
+    return max(((t, c) for t in doc["tensors"] for c in t["chunks"]), key=lambda tc: tc[1]["count"])
+
+
+def cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    """Run the CLI in this process: (exit status, stdout, stderr)."""
+    from vllm_deltasync.cli import main
+
+    capsys.readouterr()
+    rc = main(list(argv))
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def one_line_error(rc: int, err: str) -> None:
+    """Nonzero exit, exactly one line on stderr, no traceback."""
+    assert rc != 0
+    assert "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1, err

@@ -1,0 +1,83 @@
+"""Fault matrix, secrets (item 2): credentials pasted into a bucket URL are refused in one line
+that names where credentials belong; query strings and userinfo are redacted wherever a URL is
+printed; planted secrets appear in no exception, log line, status, metric or CLI output.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from aiohttp import web
+
+from tests.faults.conftest import PLANTED, Hostile, assert_no_secret, cli, one_line_error
+from vllm_deltasync import DeltaPublisher
+from vllm_deltasync._urls import redact_text, redact_url
+from vllm_deltasync.config import SyncConfig
+from vllm_deltasync.errors import ConfigError, DeltaSyncError
+from vllm_deltasync.server.worker.poller import Poller
+from vllm_deltasync.stores import open_store
+from vllm_deltasync.stores.hf import HfStore
+
+KEY, SECRET, SESSION, TOKEN = PLANTED
+
+URLS_WITH_CREDENTIALS = {
+    "s3-userinfo": f"s3://{KEY}:{SECRET}@bucket/p?X-Amz-Security-Token={SESSION}",
+    "s3-query": f"s3://bucket/p?X-Amz-Security-Token={SESSION}",
+    "hf-userinfo": f"hf://user:{TOKEN}@buckets/ns/name/p",
+    "file-query": f"file:///tmp/b?token={TOKEN}",
+}
+
+
+@pytest.mark.parametrize("case", sorted(URLS_WITH_CREDENTIALS))
+def test_credentials_in_a_bucket_url_are_refused_without_echo(
+        case: str, capsys: pytest.CaptureFixture[str], all_logs: pytest.LogCaptureFixture) -> None:
+    url = URLS_WITH_CREDENTIALS[case]
+    with pytest.raises(ConfigError) as err:
+        open_store(url)
+    msg = str(err.value)
+    assert "environment" in msg and "store_options" in msg
+    assert len(msg.splitlines()) == 1
+    with pytest.raises(ConfigError) as pub_err:
+        DeltaPublisher(url)
+    with pytest.raises(ConfigError) as poll_err:  # what a server rank does at start
+        Poller(SyncConfig(url=url), lambda m, p: (p, 1))
+    rc, out, cli_err = cli(capsys, "inspect", url)
+    one_line_error(rc, cli_err)
+    rc2, out2, err2 = cli(capsys, "verify", url)
+    one_line_error(rc2, err2)
+    assert_no_secret(msg, str(pub_err.value), str(poll_err.value), repr(SyncConfig(url=url)),
+                     out, cli_err, out2, err2, all_logs.text)
+
+
+def test_redaction_of_urls_inside_any_text() -> None:
+    text = (f"GET https://cdn.example/x?X-Amz-Signature={SECRET}&Expires=1 failed; "
+            f"bucket s3://{KEY}:{SECRET}@b/p; retry token={TOKEN}")
+    shown = redact_text(text)
+    assert_no_secret(shown, redact_url(f"s3://{KEY}:{SECRET}@b/p?t={SESSION}"))
+    assert "https://cdn.example/x?<redacted>" in shown and "s3://b/p" in shown
+
+
+def test_hostile_server_echoing_the_token_does_not_leak_it(hostile: Hostile, run: Any,
+                                                           all_logs: pytest.LogCaptureFixture) -> None:
+    async def echo(request: web.Request) -> web.Response:
+        auth = request.headers.get("Authorization", "")
+        return web.Response(status=500, headers={
+            "X-Error-Message": f"bad credentials {auth} see {hostile.url}/help?token={TOKEN}"})
+
+    hostile.on("GET", "/api/buckets/ns/name/tree/p/manifests", echo)
+    from vllm_deltasync.stores import RetryPolicy
+    store = open_store("hf://buckets/ns/name/p", endpoint=hostile.url, token=TOKEN, environ={},
+                       retry_policy=RetryPolicy(attempts=1))
+    assert isinstance(store, HfStore)
+    with pytest.raises(DeltaSyncError) as err:
+        run(store.list("manifests/"))
+    run(store.close())
+    assert "HTTP 500" in str(err.value)
+    assert_no_secret(str(err.value), repr(store), all_logs.text)
+
+
+def test_status_cli_redacts_userinfo_and_query(capsys: pytest.CaptureFixture[str]) -> None:
+    rc, out, err = cli(capsys, "status", f"http://u:{SECRET}@127.0.0.1:1/metrics?token={TOKEN}")
+    assert rc == 1 and "unreachable" in out
+    assert_no_secret(out, err)
