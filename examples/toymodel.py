@@ -23,7 +23,10 @@ import torch
 
 from vllm_deltasync.errors import ConfigError
 
-Family = Literal["llama", "qwen2"]
+Family = Literal["llama", "qwen2", "qwen3_moe", "mixtral"]
+"""``qwen3_moe`` and ``mixtral`` are mixture-of-experts shapes: per-expert checkpoint tensors
+(``mlp.experts.<e>.gate_proj`` / ``block_sparse_moe.experts.<e>.w1`` ...), fused by vLLM into
+``w13_weight`` / ``w2_weight``."""
 
 _WORDS = ["the", "a", "policy", "gradient", "reward", "model", "token", "step", "update", "weight", "delta", "bucket", "server", "rollout", "trainer", "value", "advantage", "learning", "rate", "batch", "sample", "prompt", "answer", "because", "when", "then", "after", "before", "every", "each", "some", "many", "few", "more", "less", "small", "large", "fast", "slow", "red", "green", "blue", "river", "mountain", "city", "house", "garden", "window", "door", "table", "chair", "paper", "write", "read", "send", "receive", "open", "close", "start", "stop", "run", "walk", "think", "know", "see", "hear", "say"]
 
@@ -69,7 +72,20 @@ def _train_tokenizer(out_dir: Path, vocab_size: int, seed: int) -> None:
     )
 
 
-def _hf_config(family: Family, **kw: Any) -> Any:
+def _hf_config(family: Family, moe: dict[str, int], **kw: Any) -> Any:
+    if family == "qwen3_moe":
+        from transformers import Qwen3MoeConfig
+
+        return Qwen3MoeConfig(num_experts=moe["num_experts"],
+                              num_experts_per_tok=moe["experts_per_token"],
+                              moe_intermediate_size=moe["moe_intermediate_size"],
+                              decoder_sparse_step=1, norm_topk_prob=True, head_dim=32, **kw)
+    if family == "mixtral":
+        from transformers import MixtralConfig
+
+        kw["intermediate_size"] = moe["moe_intermediate_size"]
+        return MixtralConfig(num_local_experts=moe["num_experts"],
+                             num_experts_per_tok=moe["experts_per_token"], **kw)
     if family == "llama":
         from transformers import LlamaConfig
 
@@ -78,7 +94,8 @@ def _hf_config(family: Family, **kw: Any) -> Any:
         from transformers import Qwen2Config
 
         return Qwen2Config(**kw)
-    raise ConfigError(f"toy model family {family!r} is unknown; use 'llama' or 'qwen2'")
+    raise ConfigError(f"toy model family {family!r} is unknown; use 'llama', 'qwen2', "
+                      "'qwen3_moe' or 'mixtral'")
 
 
 @torch.no_grad()
@@ -106,11 +123,17 @@ def build_model(
     vocab_size: int = 500,
     tie_word_embeddings: bool = False,
     seed: int = 0,
+    num_experts: int = 8,
+    experts_per_token: int = 2,
+    moe_intermediate_size: int = 64,
 ) -> Path:
     """Write a servable HF checkpoint directory (config, bf16 safetensors, tokenizer).
 
     The default vocabulary (500) is not a multiple of 64, so vLLM pads the vocab-parallel
-    embedding and lm_head. Qwen2 checkpoints have q/k/v biases. Returns ``out_dir``.
+    embedding and lm_head. Qwen2 checkpoints have q/k/v biases. MoE families use
+    ``num_experts``, ``experts_per_token`` and ``moe_intermediate_size`` (per expert; vLLM's CPU
+    MoE kernel pads a per-rank intermediate size that is not a multiple of 32). Returns
+    ``out_dir``.
     """
     if hidden_size % num_heads or num_heads % num_kv_heads:
         raise ConfigError(
@@ -120,8 +143,11 @@ def build_model(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     _train_tokenizer(out, vocab_size, seed)
+    moe = {"num_experts": num_experts, "experts_per_token": experts_per_token,
+           "moe_intermediate_size": moe_intermediate_size}
     config = _hf_config(
         family,
+        moe,
         hidden_size=hidden_size,
         num_hidden_layers=num_layers,
         num_attention_heads=num_heads,

@@ -74,12 +74,22 @@ class DeltaSyncExtension:
         return state
 
     def deltasync_start(self) -> dict[str, Any]:
-        """Build the shard map, start the poller and the step trace. Idempotent."""
+        """Build the shard map (learning the layouts kernels rearranged parameters into) and
+        run check 1 of the startup proof. The poller starts only with ``deltasync_follow``,
+        once every rank passed (``deltasync_prove``). Never raises: a rank that cannot follow
+        answers ``refused`` with the reason. Idempotent."""
         if getattr(self, "_deltasync", None) is not None:
             return self.deltasync_status()
         w: Any = self
-        config = SyncConfig.from_sources(w.vllm_config.additional_config, os.environ)
-        state = RankState(w, config)
+        rank = int(getattr(w, "rank", 0))
+        try:
+            config = SyncConfig.from_sources(w.vllm_config.additional_config, os.environ)
+            state = RankState(w, config, layout_specs=lambda: _layout_specs(w.model_runner.model))
+        except DeltaSyncError as exc:
+            reason = f"{type(exc).__name__}: {exc}"
+            logger.error("deltasync rank %d refuses to follow: %s", rank, reason)
+            return {"rank": rank, "refused": reason, "last_error": reason, "applied_step": None,
+                    "ready_steps": [], "newest_step": None}
         self._deltasync = state
         inner = w.execute_model
 
@@ -88,9 +98,49 @@ class DeltaSyncExtension:
             return state.record_step(lambda: inner(scheduler_output, *args, **kwargs), tokens)
 
         w.execute_model = execute_model
-        state.poller.start()
+        _wrap_reload(w, state)
+        classes = state.prove_values()
+        out = self.deltasync_status()
+        out["proof_classes"] = classes
+        return out
+
+    def deltasync_prove(self, classes: list[str]) -> dict[str, Any]:
+        """Check 2 of the startup proof, a collective (``classes``: the union over ranks, in
+        the same order everywhere). Answers the status, ``refused`` set when the proof failed
+        on this rank (one log line names the parameter and the reason)."""
+        from vllm_deltasync.server.worker.proof import ProofFailed
+
+        state = self._deltasync_state()
+        w: Any = self
+        world = int(w.vllm_config.parallel_config.tensor_parallel_size)
+        state.prove_writes(list(classes), _probe_forward(w), world)
+        try:
+            state.finish_proof()
+        except ProofFailed as exc:
+            logger.error("deltasync rank %d refuses to follow: %s", state.rank, exc)
+            state.refuse(f"{type(exc).__name__}: {exc}")
+        else:
+            assert state.report is not None
+            logger.info("deltasync rank %d startup proof passed in %.2fs (%d classes; %s)",
+                        state.rank, state.report.seconds, len(state.report.classes),
+                        "; ".join(state.report.layouts) or "no learned layouts")
+        return self.deltasync_status()
+
+    def deltasync_follow(self) -> dict[str, Any]:
+        """Every rank passed its proof: start the poller."""
+        state = self._deltasync_state()
+        state.follow()
         logger.info("deltasync started rank=%d bucket=%s tensors=%d", state.rank,
-                    config.redacted_url(), len(state.shardmap.names))
+                    state.config.redacted_url(), len(state.shardmap.names))
+        return self.deltasync_status()
+
+    def deltasync_stop(self, reason: str) -> dict[str, Any] | None:
+        """Some rank refused: this one never follows either (its poller stops)."""
+        state = getattr(self, "_deltasync", None)
+        if state is None:
+            return None
+        if state.refused is None:
+            state.refuse(reason)
         return self.deltasync_status()
 
     def deltasync_status(self) -> dict[str, Any]:
@@ -161,6 +211,132 @@ class DeltaSyncExtension:
             raise ApplyError(f"no safetensors checkpoint at {path!r}")
         return {n: checkpoint_digest(state.shardmap, n, tensors[n])
                 for n in digest_names(state, names) if n in tensors}
+
+
+# ------------------------------------------------------------------ worker side, vLLM glue
+
+def _layout_specs(model: torch.nn.Module) -> dict[str, Any]:
+    """Parameters whose kernel may rearrange them after loading, each with a transform that
+    runs that kernel's own after-load processing on a stand-in (``layouts.py`` learns it).
+
+    Today: fused-MoE expert weights (``w13_weight`` / ``w2_weight``) of unquantized MoE layers,
+    whose experts object has an after-load step (the CPU kernel pads and repacks; GPU backends
+    may shuffle). A layout that turns out to be the identity is dropped."""
+    from vllm_deltasync.server.worker.layouts import LayoutSpec
+
+    specs: dict[str, Any] = {}
+    for mname, module in model.named_modules():
+        qm = getattr(module, "quant_method", None)
+        kernel = getattr(qm, "moe_kernel", None)
+        experts = getattr(kernel, "fused_experts", None)
+        if experts is None or not hasattr(module, "w13_weight") or not hasattr(module, "w2_weight"):
+            continue
+        cfg = module.moe_config
+        num = int(module.w13_weight.shape[0])
+        inter = int(cfg.intermediate_size_per_partition)
+        hidden = int(cfg.hidden_dim)
+        rows13 = 2 * inter if getattr(cfg, "is_act_and_mul", True) else inter
+        shapes: dict[str, tuple[int, ...]] = {"w13_weight": (num, rows13, hidden),
+                                              "w2_weight": (num, hidden, inter)}
+        kind = f"{type(experts).__name__}:{getattr(experts, 'isa', '')}"
+        for attr, shape in shapes.items():
+            learn = (min(2, num), *shape[1:])
+            specs[f"{mname}.{attr}"] = LayoutSpec(
+                f"{mname}.{attr}", shape, f"{kind}:{attr}",
+                _moe_transform(module, attr, shapes), learn_shape=learn)
+    return specs
+
+
+def _moe_transform(layer: Any, attr: str, shapes: dict[str, tuple[int, ...]]) -> Any:
+    """What ``UnquantizedFusedMoEMethod._setup_kernel`` does to ``attr`` after loading, run on
+    a stand-in module (the layer and its kernel are left as they are)."""
+    from vllm.model_executor.layers.fused_moe.oracle.unquantized import (
+        convert_to_unquantized_kernel_format,
+    )
+
+    qm = layer.quant_method
+    experts = qm.moe_kernel.fused_experts
+
+    def transform(w: torch.Tensor) -> torch.Tensor:
+        num = int(w.shape[0])
+        weights = {k: (w if k == attr else torch.zeros((num, *s[1:]), dtype=w.dtype))
+                   for k, s in shapes.items()}
+        if hasattr(qm, "_maybe_pad_weight"):
+            weights = {k: qm._maybe_pad_weight(v) for k, v in weights.items()}
+        stand = torch.nn.Module()
+        w13, w2 = convert_to_unquantized_kernel_format(
+            qm.unquantized_backend, moe_config=layer.moe_config,
+            w13_weight=weights["w13_weight"], w2_weight=weights["w2_weight"], layer=stand)
+        for k, v in (("w13_weight", w13), ("w2_weight", w2)):
+            p = torch.nn.Parameter(v, requires_grad=False)
+            p.weight_loader = getattr(getattr(layer, k), "weight_loader", None)  # type: ignore[attr-defined]
+            stand.register_parameter(k, p)
+        saved = dict(vars(experts))
+        try:
+            experts.process_weights_after_loading(stand)
+        finally:
+            vars(experts).clear()
+            vars(experts).update(saved)
+        return getattr(stand, attr).data
+
+    return transform
+
+
+def _probe_forward(worker: Any) -> Any:
+    """A tiny forward for the startup proof: 16 tokens spread over the vocabulary through the
+    model runner's own dummy run (attention forced), the last layer's hidden states plus this
+    rank's ``lm_head`` logits (computed by the lm_head's own method, as in serving)."""
+    runner = worker.model_runner
+    model = runner.model
+    if not hasattr(runner, "_dummy_run") or not hasattr(runner, "input_ids"):
+        return None
+    vocab = int(worker.vllm_config.model_config.get_vocab_size())
+    n = 16
+    ids = torch.linspace(0, vocab - 1, n).to(torch.int64)
+    lm_head = getattr(model, "lm_head", None)
+
+    def forward() -> torch.Tensor:
+        buf = runner.input_ids
+        for t in (getattr(buf, "gpu", None), getattr(buf, "cpu", None)):
+            if isinstance(t, torch.Tensor):
+                t[:n].copy_(ids.to(t.device, t.dtype))
+        hidden, _ = runner._dummy_run(n, force_attention=True)
+        out = [hidden.float().reshape(-1)]
+        if lm_head is not None and hasattr(lm_head, "quant_method"):
+            logits = lm_head.quant_method.apply(lm_head, hidden)
+            out.append(logits.float().reshape(-1))
+        return torch.cat(out).cpu()
+
+    return forward
+
+
+def _wrap_reload(worker: Any, state: RankState) -> None:
+    """Catch vLLM's in-place ``reload_weights`` behind our back: after it, re-prove and resync
+    through the newest anchor (``RankState.check_reload``)."""
+    runner = worker.model_runner
+    inner = getattr(runner, "reload_weights", None)
+    if inner is None or getattr(inner, "_deltasync_wrapped", False):
+        return
+
+    def reload_weights(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            _after_reload(worker, state)
+
+    reload_weights._deltasync_wrapped = True  # type: ignore[attr-defined]
+    runner.reload_weights = reload_weights
+
+
+def _after_reload(worker: Any, state: RankState) -> None:
+    try:
+        if state.check_reload():
+            logger.warning("deltasync rank %d: weights reloaded outside deltasync; layouts "
+                           "learned again, shard map rebuilt, resyncing through the newest anchor",
+                           state.rank)
+    except ApplyError as exc:
+        logger.error("deltasync rank %d refuses to follow after a reload: %s", state.rank, exc)
+        state.refuse(f"{type(exc).__name__}: {exc}")
 
 
 # ------------------------------------------------------------------ engine core side

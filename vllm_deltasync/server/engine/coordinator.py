@@ -102,26 +102,58 @@ class Coordinator:
 
     # ----------------------------------------------------------------- lifecycle
     def start(self) -> None:
-        """Start every rank's poller, the metrics endpoint and the wake-up timer."""
+        """Prove every rank (``deltasync_start``, then the collective ``deltasync_prove``),
+        start the metrics endpoint, then the pollers (``deltasync_follow``) and the wake-up
+        timer. If any rank refuses, no rank follows (``deltasync_stop``); the engine serves
+        its checkpoint, and ``/metrics`` and ``/synced`` (503) say why."""
         try:
             self.statuses = list(self.engine.collective_rpc("deltasync_start"))
+            if not self._refused():
+                classes = sorted({c for s in self.statuses for c in s.get("proof_classes") or ()})
+                self.statuses = list(self.engine.collective_rpc("deltasync_prove",
+                                                                args=(classes,)))
         except Exception as exc:  # noqa: BLE001 - the server keeps serving its checkpoint
             self.last_error = f"{type(exc).__name__}: {exc}"
-            logger.error("deltasync could not start; the engine serves its loaded checkpoint "
-                         "and applies no step: %s", self.last_error)
+        else:
+            self.last_error = self._refused()
+        self._start_metrics()
+        if self.last_error is not None:
+            self._refuse(self.last_error)
             return
+        self.statuses = list(self.engine.collective_rpc("deltasync_follow"))
         self.active = True
+        self._timer = threading.Thread(target=self._run_timer, name="deltasync-wake",
+                                       daemon=True)
+        self._timer.start()
+        logger.info("deltasync following %s with %d rank(s), poll every %.2fs",
+                    self.config.redacted_url(), len(self.statuses), self.config.poll_interval_s)
+
+    def _refused(self) -> str | None:
+        reasons = [f"rank {s.get('rank', i)}: {s['refused']}"
+                   for i, s in enumerate(self.statuses) if s.get("refused")]
+        return "; ".join(reasons) or None
+
+    def _start_metrics(self) -> None:
         if self.config.metrics_port:
             try:
                 self.server = self.metrics.start_server(self.config.metrics_port,
                                                         self.config.metrics_host)
             except Exception as exc:  # noqa: BLE001 - metrics are optional
                 logger.error("deltasync metrics endpoint not started: %s", exc)
-        self._timer = threading.Thread(target=self._run_timer, name="deltasync-wake",
-                                       daemon=True)
-        self._timer.start()
-        logger.info("deltasync following %s with %d rank(s), poll every %.2fs",
-                    self.config.redacted_url(), len(self.statuses), self.config.poll_interval_s)
+
+    def _refuse(self, reason: str) -> None:
+        """No rank follows; the refusal is visible (log, /synced 503, deltasync_failing)."""
+        logger.error("deltasync refuses to follow; the engine serves its loaded checkpoint "
+                     "and applies no step: %s", reason)
+        try:
+            stopped = self.engine.collective_rpc("deltasync_stop", args=(reason,))
+            self.statuses = [s for s in stopped if s is not None] or self.statuses
+        except Exception as exc:  # noqa: BLE001 - still report the refusal
+            logger.error("deltasync could not stop every rank: %s", exc)
+        if not self.statuses:
+            self.statuses = [{"rank": 0, "last_error": reason, "applied_step": None}]
+        self.metrics.update(self.statuses)
+        self.metrics.coordinator_state(failing=True, error=RuntimeError(reason))
 
     def close(self) -> None:
         self._stop.set()

@@ -175,12 +175,22 @@ def sha256_hex(values: torch.Tensor) -> str:
 def tensor_digest(shardmap: ShardMap, name: str) -> str:
     """sha256 of the live elements of checkpoint tensor ``name`` on this rank (module doc)."""
     targets = _ordered_targets(shardmap, name)
+    return sha256_hex(_rank_values(targets, live_values(targets)))
+
+
+def live_values(targets: list[Target]) -> list[torch.Tensor]:
+    """What each target's block holds in the live parameter (runtime layout followed), in the
+    block's multi-index order."""
     values = []
     for t in targets:
         b = t.block
         flat = t.param.data.view(-1)
-        values.append(flat.as_strided(b.sizes, b.dst_strides, flat.storage_offset() + b.dst_offset))
-    return sha256_hex(_rank_values(targets, values))
+        if t.layout is not None:
+            values.append(flat.index_select(0, t.dst_indices().to(flat.device)))
+        else:
+            values.append(flat.as_strided(b.sizes, b.dst_strides,
+                                          flat.storage_offset() + b.dst_offset))
+    return values
 
 
 def checkpoint_digest(shardmap: ShardMap, name: str, full: torch.Tensor) -> str:
@@ -195,4 +205,5 @@ def checkpoint_digest(shardmap: ShardMap, name: str, full: torch.Tensor) -> str:
     return sha256_hex(_rank_values(targets, values).to(dtype))
 
 
-__all__ = ["Undo", "apply_patches", "checkpoint_digest", "prepare", "sha256_hex", "tensor_digest"]
+__all__ = ["Undo", "apply_patches", "checkpoint_digest", "live_values", "prepare", "sha256_hex",
+           "tensor_digest"]

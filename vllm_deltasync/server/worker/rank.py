@@ -10,7 +10,7 @@ from __future__ import annotations
 import collections
 import os
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +21,9 @@ from vllm_deltasync.errors import ApplyError, ChainError
 from vllm_deltasync.format.codec import TensorPatch
 from vllm_deltasync.format.manifest import Manifest
 from vllm_deltasync.server.worker.apply import sha256_hex
-from vllm_deltasync.server.worker.shardmap import Piece
+from vllm_deltasync.server.worker.layouts import LayoutCache, LayoutSpec
+from vllm_deltasync.server.worker.proof import ProofReport
+from vllm_deltasync.server.worker.shardmap import Piece, ShardMap
 from vllm_deltasync.server.worker.state import Applied, PendingSwitch, SyncState
 
 FAILPOINT_ENV = "DELTASYNC_TEST_FAIL_APPLY"
@@ -29,6 +31,10 @@ FAILPOINT_ENV = "DELTASYNC_TEST_FAIL_APPLY"
 after writing ``pieces`` pieces, once per process. The engine tests use it to prove a failed
 switch is taken back on every rank. Not a setting: never set it in production."""
 _failpoint_fired = False
+
+NO_LAYOUTS_ENV = "DELTASYNC_TEST_NO_LAYOUTS"
+"""Test-only: ``1`` skips learning runtime layouts, forcing the old checkpoint-layout path onto
+parameters a kernel rearranged (the startup proof must then refuse). Not a setting."""
 
 
 def _failpoint(rank: int, step: int) -> int | None:
@@ -60,19 +66,28 @@ class RankState:
     written here, on the main thread.
     """
 
-    def __init__(self, worker: Any, config: SyncConfig) -> None:
+    def __init__(self, worker: Any, config: SyncConfig, *,
+                 layout_specs: Callable[[], Mapping[str, LayoutSpec]] | None = None) -> None:
         from vllm_deltasync.format.manifest import fingerprint
         from vllm_deltasync.server.metrics import WorkerStats
         from vllm_deltasync.server.worker.poller import Poller
-        from vllm_deltasync.server.worker.shardmap import ShardMap
 
         self.config = config
         self.rank = int(getattr(worker, "rank", 0))
         self.model = worker.model_runner.model
-        params = checkpoint_params(worker.vllm_config.model_config.model)
+        self.model_path = str(worker.vllm_config.model_config.model)
+        params = checkpoint_params(self.model_path)
         self.checkpoint = params
-        self.shardmap = ShardMap.from_model(self.model, params)
+        self._layout_specs = layout_specs
+        self.layouts = LayoutCache()
+        self.refused: str | None = None
+        """Why this rank does not follow (its startup proof, or another rank's, failed)."""
+        self.report: ProofReport | None = None
+        self.following = False
+        self.shardmap = self._build_map()
         self.param_ids = _param_ids(self.model)
+        self.param_versions = _param_versions(self.model)
+        self.reloads = 0
         self.fingerprint = fingerprint((n, s, d) for n, (s, d) in params.items())
         self.stats = WorkerStats()
         self.trace: collections.deque[tuple[int, int, int, int]] = collections.deque(
@@ -90,6 +105,92 @@ class RankState:
             stats=self.stats,
             state=self.sync,
         )
+
+    def _build_map(self) -> ShardMap:
+        """Learn the layouts kernels rearranged parameters into, then probe the loaders."""
+        from vllm_deltasync.server.worker.shardmap import ShardMap
+
+        specs: dict[str, LayoutSpec] = {}
+        if self._layout_specs is not None and not os.environ.get(NO_LAYOUTS_ENV):
+            params = dict(self.model.named_parameters(remove_duplicate=False))
+            for name, spec in self._layout_specs().items():
+                layout = self.layouts.learn(spec, params[name])
+                if not layout.identity:
+                    specs[name] = spec
+        return ShardMap.from_model(self.model, self.checkpoint, specs)
+
+    # ------------------------------------------------------------- the startup proof
+    def prove_values(self) -> list[str]:
+        """Check 1 of the startup proof (``proof.py``); returns the parameter classes held.
+        A failure is kept in ``self.report`` (raised by :meth:`finish_proof`)."""
+        from vllm_deltasync.server.worker.proof import ProofReport, check_values, class_names
+
+        self.report = ProofReport(layouts=sorted({lay.describe()
+                                                  for lay in self.layouts.layouts.values()}))
+        started = time.perf_counter()
+        check_values(self.shardmap, safetensors_files(self.model_path), self.report)
+        self.report.seconds += time.perf_counter() - started
+        return class_names(self.shardmap)
+
+    def prove_writes(self, classes: list[str], forward: Callable[[], torch.Tensor] | None,
+                     world: int) -> None:
+        """Check 2 of the startup proof (a collective: every rank runs it with the same
+        ``classes``). Without a forward the check cannot run and the proof fails."""
+        from vllm_deltasync.server.worker.proof import check_writes
+
+        assert self.report is not None
+        started = time.perf_counter()
+        if forward is None:
+            self.report.fail("the probe forward", "no forward is available to check writes")
+        else:
+            check_writes(self.shardmap, forward, self.report, rank=self.rank, world=world,
+                         classes=classes)
+        self.report.seconds += time.perf_counter() - started
+
+    def finish_proof(self) -> None:
+        """Raise the first failure of the proof (ProofFailed), if any."""
+        assert self.report is not None
+        self.report.raise_first()
+
+    def refuse(self, reason: str) -> None:
+        """Never follow: stop the poller, drop what is staged, report ``reason``."""
+        self.refused = reason
+        if self.following:
+            self.poller.close()
+            self.following = False
+        self.sync.drop_staged()
+        self.sync.set_switch_error(reason)
+
+    def follow(self) -> None:
+        """Start the poller (after every rank's proof passed)."""
+        if self.refused is None and not self.following:
+            self.param_versions = _param_versions(self.model)  # the proof wrote and restored
+            self.poller.start()
+            self.following = True
+
+    # ------------------------------------------------------------- reloads behind our back
+    def check_reload(self) -> bool:
+        """Main thread: True when the model's parameters changed without us (``reload_weights``
+        or any other write): the applied step is then unknown. The layouts are learned again,
+        the shard map rebuilt, and the rank resyncs through the newest anchor. (Check 1 of the
+        proof is not repeated: a reload may load other weights than the checkpoint on disk.)"""
+        if (_param_ids(self.model) == self.param_ids
+                and _param_versions(self.model) == self.param_versions):
+            return False
+        self.reloads += 1
+        message = (f"rank {self.rank}: the model's weights were changed outside deltasync "
+                   "(reload_weights?); the applied step is unknown, resyncing through the "
+                   "newest anchor")
+        self.sync.reset(message)
+        self.layouts = LayoutCache()
+        self.shardmap = self._build_map()
+        self.param_ids = _param_ids(self.model)
+        self.param_versions = _param_versions(self.model)
+        return True
+
+    def mark_written(self) -> None:
+        """Our own writes moved the parameters' version counters: remember the new ones."""
+        self.param_versions = _param_versions(self.model)
 
     def prepare(self, manifest: Manifest, patches: list[TensorPatch]) -> tuple[list[Piece], int]:
         """Poller thread: translate to this rank's shards and move to the device.
@@ -121,6 +222,8 @@ class RankState:
         """
         from vllm_deltasync.server.worker.apply import Undo, apply_patches
 
+        if self.refused is not None:
+            raise ApplyError(f"rank {self.rank} does not follow: {self.refused}")
         self._check_params_unchanged()
         before = self.sync.applied
         undo = Undo()
@@ -155,7 +258,9 @@ class RankState:
             error = f"{type(exc).__name__}: {exc}"
             reverted = self._put_back(undo, before, step, error)
             self.sync.switch_failed(step, reverted, error)
+            self.mark_written()
             raise ApplyFailed(str(exc), reverted=reverted) from exc
+        self.mark_written()
         last_apply = {
             "step": step,
             "steps": [s.step for s in taken],
@@ -191,7 +296,10 @@ class RankState:
                 return True
             self.sync.reset(f"{reason}; this rank holds no pending switch to step {step}")
             return False
-        return self._put_back(pending.undo, pending.before, step, reason)
+        try:
+            return self._put_back(pending.undo, pending.before, step, reason)
+        finally:
+            self.mark_written()
 
     def reset(self, reason: str) -> None:
         """Forget the applied version (the next step is reached through an anchor)."""
@@ -211,17 +319,12 @@ class RankState:
         return True
 
     def _check_params_unchanged(self) -> None:
-        """vLLM's reload_weights may replace parameters: then re-derive the map, go to an anchor."""
-        if _param_ids(self.model) == self.param_ids:
-            return
-        from vllm_deltasync.server.worker.shardmap import ShardMap
-
-        self.shardmap = ShardMap.from_model(self.model, self.checkpoint)
-        self.param_ids = _param_ids(self.model)
-        message = (f"rank {self.rank}: the model's parameters were replaced (reload_weights?); "
-                   "the shard map was rebuilt and the engine resyncs through the next anchor")
-        self.sync.reset(message)
-        raise ApplyError(message)
+        """vLLM's reload_weights (or any write but ours) may have replaced or rewritten
+        parameters: then re-derive the map and go to an anchor (:meth:`check_reload`)."""
+        if self.check_reload():
+            raise ApplyError(f"rank {self.rank}: the model's weights were changed outside "
+                             "deltasync (reload_weights?); the shard map was rebuilt and the "
+                             "engine resyncs through the next anchor")
 
     def record_step(self, run: Callable[[], Any], num_tokens: int) -> Any:
         """Run one model step and remember which version it ran on, at start and at end."""
@@ -237,12 +340,22 @@ class RankState:
     def status(self) -> dict[str, Any]:
         """This rank's status; reading it changes nothing."""
         out = self.poller.status()
-        out.update(fingerprint=self.fingerprint, model_steps=self.model_steps, pid=os.getpid())
+        out.update(fingerprint=self.fingerprint, model_steps=self.model_steps, pid=os.getpid(),
+                   refused=self.refused, following=self.following, reloads=self.reloads,
+                   proof=self.report.to_dict() if self.report is not None else None,
+                   layout_bytes=self.layouts.nbytes)
+        if self.refused is not None:
+            out.update(last_error=self.refused, ready_steps=[])
         return out
 
 
 def _param_ids(model: torch.nn.Module) -> frozenset[int]:
     return frozenset(id(p) for p in model.parameters())
+
+
+def _param_versions(model: torch.nn.Module) -> tuple[int, ...]:
+    """Every parameter's in-place version counter (bumped by any in-place write)."""
+    return tuple(p._version for p in model.parameters())
 
 
 def _version(step: int | None) -> int:
@@ -300,4 +413,4 @@ def digest_names(state: RankState, names: Iterable[str] | None) -> list[str]:
     return [n for n in chosen if n not in sm.ignored and n not in sm.covered_by]
 
 
-__all__ = ["FAILPOINT_ENV", "ApplyFailed", "RankState", "checkpoint_params", "digest_names", "safetensors_files", "sha256_hex"]
+__all__ = ["FAILPOINT_ENV", "NO_LAYOUTS_ENV", "ApplyFailed", "RankState", "checkpoint_params", "digest_names", "safetensors_files", "sha256_hex"]

@@ -55,6 +55,7 @@ import torch
 
 from vllm_deltasync.errors import ApplyError
 from vllm_deltasync.server.worker._shardprobe import Block, probe_model
+from vllm_deltasync.server.worker.layouts import Layout, LayoutSpec
 
 if TYPE_CHECKING:
     from vllm_deltasync.format.codec import TensorPatch
@@ -115,11 +116,24 @@ class Piece(tuple):  # type: ignore[type-arg]
 
 @dataclass(frozen=True)
 class Target:
-    """One block of one checkpoint tensor on this rank, bound to its runtime parameter."""
+    """One block of one checkpoint tensor on this rank, bound to its runtime parameter.
+
+    ``block`` is in the loaders' layout of the parameter; ``layout`` (None: the same as the
+    runtime layout) maps that to where the kernel keeps each element (``layouts.py``).
+    """
 
     param_name: str
     param: torch.Tensor
     block: Block
+    layout: Layout | None = None
+
+    def runtime_indices(self, loader_indices: torch.Tensor) -> torch.Tensor:
+        """Flat runtime indices of flat loader-layout indices of this parameter."""
+        return loader_indices if self.layout is None else self.layout.map(loader_indices)
+
+    def dst_indices(self) -> torch.Tensor:
+        """Runtime flat index of every element of the block, in multi-index order."""
+        return self.runtime_indices(self.block.dst_indices())
 
 
 class ShardMap:
@@ -145,17 +159,24 @@ class ShardMap:
         cls,
         model: torch.nn.Module,
         checkpoint_params: Mapping[str, tuple[tuple[int, ...], str]],
+        layouts: Mapping[str, LayoutSpec] | None = None,
     ) -> ShardMap:
         """Probe ``model.load_weights`` once per checkpoint name (see the module docstring).
 
         ``checkpoint_params`` maps each checkpoint name to ``(shape, dtype name)``.
-        Raises ApplyError naming every checkpoint tensor that cannot be placed.
+        ``layouts``: runtime parameters a kernel rearranged after loading, by parameter name,
+        each with its learned layout (``layouts.py``). The loaders are probed against a
+        stand-in of the loader shape, and the blocks are bound to the live parameter through
+        the layout. Raises ApplyError naming every checkpoint tensor that cannot be placed.
         """
-        placed, unplaced = probe_model(model, checkpoint_params)
+        layouts = dict(layouts or {})
+        with _standins(model, layouts):
+            placed, unplaced = probe_model(model, checkpoint_params)
         params: dict[str, torch.Tensor] = dict(model.named_parameters(remove_duplicate=False))
         params.update(model.named_buffers(remove_duplicate=False))
         targets = {
-            name: [Target(pn, params[pn], b) for pn, b in blocks] for name, blocks in placed.items()
+            name: [Target(pn, params[pn], b, _layout_of(layouts, pn)) for pn, b in blocks]
+            for name, blocks in placed.items()
         }
         ignored, covered, errors = _classify_unplaced(unplaced, placed, params)
         for name, first in _duplicates(placed, params).items():
@@ -255,6 +276,46 @@ class ShardMap:
                 targets[name].append(Target(pname, params[pname], block))
         shapes = {n: (tuple(s), d) for n, (s, d) in raw["checkpoint_params"].items()}
         return cls(targets, shapes, raw["ignored"], raw["covered_by"])
+
+
+def _layout_of(layouts: Mapping[str, LayoutSpec], param_name: str) -> Layout | None:
+    spec = layouts.get(param_name)
+    if spec is None:
+        return None
+    if spec.layout is None:
+        raise ApplyError(f"layout of {param_name!r} was not learned before probing")
+    return spec.layout
+
+
+class _standins:
+    """While probing, parameters with a learned layout are replaced by a stand-in of the loader
+    shape (``torch.empty``: never written, so no pages are touched) carrying the parameter's
+    attributes (``weight_loader``, ...), so the loaders compute loader-layout offsets."""
+
+    def __init__(self, model: torch.nn.Module, layouts: Mapping[str, LayoutSpec]) -> None:
+        self.model = model
+        self.layouts = layouts
+        self.saved: list[tuple[torch.nn.Module, str, torch.nn.Parameter]] = []
+
+    def __enter__(self) -> None:
+        for pname, spec in self.layouts.items():
+            owner_name, _, attr = pname.rpartition(".")
+            owner = self.model.get_submodule(owner_name)
+            real = owner._parameters.get(attr)
+            if real is None:
+                raise ApplyError(f"learned layout for {pname!r}, which is not a parameter")
+            stand = torch.nn.Parameter(
+                torch.empty(spec.loader_shape, dtype=real.dtype, device=real.device),
+                requires_grad=False)
+            for k, v in vars(real).items():
+                setattr(stand, k, v)
+            owner._parameters[attr] = stand
+            self.saved.append((owner, attr, real))
+
+    def __exit__(self, *exc: object) -> None:
+        while self.saved:
+            owner, attr, real = self.saved.pop()
+            owner._parameters[attr] = real
 
 
 def _classify_unplaced(
@@ -368,7 +429,7 @@ def _sparse_piece(
     if len(b.sizes) == 1 and b.src_strides[0] == 1:  # one range: a shift (and a scale)
         d = b.dst_strides[0]
         shifted = sub + (b.dst_offset - lo) if d == 1 else (sub - lo) * d + b.dst_offset
-        return Piece(target.param, shifted, vals, relative=relative)
+        return Piece(target.param, target.runtime_indices(shifted), vals, relative=relative)
     rest = sub - lo
     local: torch.Tensor | None = None
     keep: torch.Tensor | None = None
@@ -387,13 +448,15 @@ def _sparse_piece(
         local, vals = local[keep], vals[keep]
         if local.numel() == 0:
             return None
-    return Piece(target.param, local, vals, relative=relative)
+    return Piece(target.param, target.runtime_indices(local), vals, relative=relative)
 
 
 def _dense_piece(target: Target, values: torch.Tensor, relative: bool) -> Piece:
     b = target.block
     values = values.contiguous()
     view = values.as_strided(b.sizes, b.src_strides, values.storage_offset() + b.src_offset)
+    if target.layout is not None:  # rearranged by the kernel: a scatter to runtime indices
+        return Piece(target.param, target.dst_indices(), view.reshape(-1), relative=relative)
     dense = DenseView(b.sizes, b.dst_strides, b.dst_offset)
     return Piece(target.param, None, view, dense=dense, relative=relative)
 
@@ -405,7 +468,7 @@ def _run_piece(target: Target, offset: int, values: torch.Tensor, relative: bool
     hi = min(offset + values.numel(), b.src_offset + b.src_extent + 1)
     if hi <= lo:
         return None
-    if len(b.sizes) == 1 and b.src_strides[0] == 1:
+    if len(b.sizes) == 1 and b.src_strides[0] == 1 and target.layout is None:
         dense = DenseView((hi - lo,), b.dst_strides, b.dst_offset + (lo - b.src_offset) * b.dst_strides[0])
         return Piece(target.param, None, values[lo - offset : hi - offset], dense=dense, relative=relative)
     idx = torch.arange(lo, hi, device=values.device)
@@ -420,4 +483,5 @@ def translate_all(shardmap: ShardMap, patches: Iterable[TensorPatch]) -> list[Pi
     return out
 
 
-__all__ = ["Block", "DenseView", "Piece", "ShardMap", "Target", "translate_all"]
+__all__ = ["Block", "DenseView", "Layout", "LayoutSpec", "Piece", "ShardMap", "Target",
+           "translate_all"]
