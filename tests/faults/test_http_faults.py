@@ -203,6 +203,7 @@ def test_malformed_event_does_not_stop_the_feed(hub: Any, make_hf_store: Any, ru
 
     assert run(go()) == 1
     assert watcher.stats.events_malformed >= 1
+    assert store.stats.requests[("events", "malformed")] >= 1  # exported: op, outcome labels
     assert watcher.stats.events_received >= 1  # step 1 came through the same feed
 
 
@@ -229,6 +230,7 @@ def test_silent_feed_is_noticed_and_discovery_falls_back(hub: Any, make_hf_store
     found, waited = run(go())
     assert found == 1 and waited < 3  # not the 60 s listing interval
     assert watcher.stats.events_silent >= 1
+    assert store.stats.requests[("events", "silent")] >= 1
 
 
 def test_feed_silent_past_the_idle_limit_reconnects(hub: Any, make_hf_store: Any, run: Any) -> None:

@@ -215,10 +215,18 @@ class StepWatcher:
             return
         self.stats.probe_hits += 1
         self._note(known + self.stride)
-        self.stats.events_silent += 1
+        self._count_feed("silent")
         logger.warning("events feed of %s missed step %d; polling instead for %.0fs",
                        self.store.url, known + self.stride, self.events_retry_s)
         self._distrust_feed()
+
+    def _count_feed(self, outcome: str) -> None:
+        """A feed fault, in the watcher's stats and the store's request counters (exported as
+        ``op="events"``, ``outcome="malformed"`` / ``"silent"``: a fixed label set)."""
+        setattr(self.stats, f"events_{outcome}", getattr(self.stats, f"events_{outcome}") + 1)
+        stats = getattr(self.store, "stats", None)
+        if stats is not None:
+            stats.count("events", outcome)
 
     def _distrust_feed(self) -> None:
         self._feed_live = False
@@ -341,7 +349,7 @@ class StepWatcher:
                 wait = self.events_retry_s
             except Exception as exc:  # noqa: BLE001 - a hostile stream must not end the feed task
                 self._feed_live = False
-                self.stats.events_malformed += 1
+                self._count_feed("malformed")
                 self._failures += 1
                 logger.warning("events feed of %s broke (%s); reconnecting", self.store.url,
                                type(exc).__name__)
@@ -360,7 +368,7 @@ class StepWatcher:
                 except StopAsyncIteration:
                     break
                 except TimeoutError:
-                    self.stats.events_silent += 1
+                    self._count_feed("silent")
                     raise TransientStoreError(
                         f"{self.store.url}: events feed silent for {self.events_idle_s:g}s; "
                         "polling until it reconnects") from None
@@ -373,7 +381,7 @@ class StepWatcher:
                     self._listed_at = None
                     self._wake.set()
                 elif event.kind == "malformed":
-                    self.stats.events_malformed += 1
+                    self._count_feed("malformed")
                     soon = time.monotonic() - self._listing_interval() + self.probe_interval_s
                     self._listed_at = min(self._listed_at or soon, soon)  # list, at most this often
                     self._wake.set()
