@@ -31,7 +31,8 @@ readers_never_mix_two_runs                             every chain is one run; b
 redirect_loop_is_capped                                StoreError after 10 hops, counted
 redirect_to_private_or_link_local[2]                   refused before any connection, not retried
 redirect_rule_table                                    same class and public allowed; option adds
-trickling_body_is_cut_by_the_minimum_rate              min_bytes_per_s over rate_window_s
+trickling_body_is_cut_by_the_minimum_rate              min_bytes_per_s over rate_window_s (hf)
+trickling_s3_body_is_cut_by_the_minimum_rate           the same on s3:// (a loopback server plays S3)
 endless_fast_body_is_cut_by_the_request_cap            max_request_s
 events_feed_redirect_is_not_followed                   StoreError, polling instead
 **5. quota burn** (test_quota_faults.py)

@@ -245,3 +245,16 @@ def test_feed_silent_past_the_idle_limit_reconnects(hub: Any, make_hf_store: Any
 
     run(go())
     assert watcher.stats.events_silent >= 1 and watcher.stats.events_connects >= 2
+
+
+def test_trickling_s3_body_is_cut_by_the_minimum_rate(hostile: Hostile, run: Any) -> None:
+    """The same bound on s3:// (moto cannot trickle: the loopback server plays S3)."""
+    hostile.on("GET", "/bkt/p/data/x.bin", _trickle(0.5, 4096))
+    store = open_store("s3://bkt/p", endpoint_url=hostile.url, region_name="us-east-1",
+                       addressing_style="path", aws_access_key_id="k", aws_secret_access_key="s",
+                       retry_policy=FAST, min_bytes_per_s=1024, rate_window_s=0.5)
+    started = time.monotonic()
+    with pytest.raises(TransientStoreError, match="min_bytes_per_s"):
+        run(store.read("data/x.bin", 0, 4096))
+    run(store.close())
+    assert time.monotonic() - started < 15

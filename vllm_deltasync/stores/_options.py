@@ -46,6 +46,20 @@ def check_optional_str(owner: str, name: str, value: Any, *, secret: bool = Fals
         raise ConfigError(f"{owner}.{name}={shown}: use a string, or leave it unset")
 
 
+def check_rate(owner: str, min_bytes_per_s: Any, rate_window_s: Any, max_request_s: Any) -> None:
+    """The transfer bounds shared by the network stores: a minimum rate over a window and a
+    cap per request (None turns the rate, or the cap, off)."""
+    for name, value, optional in (("rate_window_s", rate_window_s, False),
+                                  ("max_request_s", max_request_s, True)):
+        if value is None and optional:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+            raise ConfigError(f"{owner}.{name}={value!r}: use a number of seconds > 0"
+                              + (", or None for no cap" if optional else ""))
+    if min_bytes_per_s is not None:
+        check_int(owner, "min_bytes_per_s", min_bytes_per_s, 1, " bytes per second")
+
+
 def check_bool(owner: str, name: str, value: Any) -> None:
     if not isinstance(value, bool):
         raise ConfigError(f"{owner}.{name}={value!r}: use True or False")
@@ -85,4 +99,4 @@ def with_prefix(where: str, exc: ConfigError) -> ConfigError:
     return type(exc)(f"{where}: {exc}")
 
 
-__all__ = ["check_bool", "check_int", "check_keys", "check_optional_str", "retry_policy", "with_prefix"]
+__all__ = ["check_bool", "check_int", "check_rate", "check_keys", "check_optional_str", "retry_policy", "with_prefix"]

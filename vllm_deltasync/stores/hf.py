@@ -134,15 +134,7 @@ class HfOptions:
             raise ConfigError(
                 f"{owner}.request_timeout_s={timeout!r}: use a number of seconds > 0, or None for no limit"
             )
-        for name in ("rate_window_s", "max_request_s"):
-            value = getattr(self, name)
-            if (value is not None or name == "rate_window_s") and (
-                isinstance(value, bool) or not isinstance(value, int | float) or value <= 0
-            ):
-                raise ConfigError(f"{owner}.{name}={value!r}: use a number of seconds > 0"
-                                  + ("" if name == "rate_window_s" else ", or None for no cap"))
-        if self.min_bytes_per_s is not None:
-            _options.check_int(owner, "min_bytes_per_s", self.min_bytes_per_s, 1, " bytes per second")
+        _options.check_rate(owner, self.min_bytes_per_s, self.rate_window_s, self.max_request_s)
         _options.check_int(owner, "max_redirects", self.max_redirects, 1)
         allow = self.allow_redirects_to
         if isinstance(allow, str) or not all(c in ADDRESS_CLASSES[1:] for c in allow):

@@ -75,6 +75,11 @@ class S3Options:
     """Bytes per multipart part and per parallel ranged read (S3 needs >= 5 MiB)."""
     max_parallel_parts: int = 8
     max_pool_connections: int = 32
+    min_bytes_per_s: int | None = 64 << 10
+    """A ranged read slower than this over ``rate_window_s`` is cut and the rest retried."""
+    rate_window_s: float = 30.0
+    max_request_s: float | None = 900.0
+    """Cap on one ranged read of a part, however fast."""
     retry_policy: RetryPolicy = field(default_factory=RetryPolicy)
     """botocore's own retries are off; this policy applies."""
 
@@ -99,6 +104,7 @@ class S3Options:
             )
         _options.check_int(owner, "max_parallel_parts", self.max_parallel_parts, 1)
         _options.check_int(owner, "max_pool_connections", self.max_pool_connections, 1)
+        _options.check_rate(owner, self.min_bytes_per_s, self.rate_window_s, self.max_request_s)
         object.__setattr__(self, "retry_policy", _options.retry_policy(owner, self.retry_policy))
 
     def credentials(self) -> dict[str, str]:
@@ -314,6 +320,9 @@ class S3Store(Store):
             part_size=self.part_size,
             max_parallel_parts=self.max_parallel_parts,
             on_resume=lambda kept: self.stats.count("read", "resumed"),
+            min_bytes_per_s=self.options.min_bytes_per_s,
+            rate_window_s=self.options.rate_window_s,
+            max_request_s=self.options.max_request_s,
         )
         data = await reader.read(start, end)
         self.stats.bytes_read += len(data)
