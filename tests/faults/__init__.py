@@ -64,7 +64,14 @@ temp_files_of_a_killed_publisher_are_removed           stale ones only; a live w
 setup_never_stops_a_process_by_name
 setup_keeps_the_package_service_from_starting          policy-rc.d 101 during apt-get install
 setup_leaves_an_existing_policy_alone
-**10. engine** (test_engine_faults.py, marked ``engine``)
-see that module's docstring
+**10. engine** (test_engine_faults.py, marked ``engine``: one TP=1 engine on hf://, in order)
+bucket_unreachable_for_minutes_keeps_serving_and...     every request 503 for 20 poll intervals:
+                                                       same outputs, errors counted, catches up
+anchor_failing_half_way_holds_then_resyncs             hold path; resync through a whole anchor;
+                                                       digests equal the checkpoint
+trainer_restarted_from_an_earlier_step_with_a_new_run  new run after the newest step, entered
+                                                       through its anchor; digests exact
+api_server_killed_and_restarted_catches_up             SIGKILL while following; restart reaches
+                                                       the newest step through an anchor
 =====================================================  ==========================================
 """

@@ -291,7 +291,8 @@ class HfStore(Store):
         except aiohttp.ClientError as exc:
             raise connection_error(exc, what) from exc
         except TimeoutError as exc:
-            raise TransientStoreError(f"{what}: timed out") from exc
+            raise TransientStoreError(
+                f"{what}: timed out (request_timeout_s / max_request_s)") from exc
 
     async def _call(
         self,
@@ -526,7 +527,9 @@ class HfStore(Store):
         except aiohttp.ClientError as exc:
             raise connection_error(exc, what) from exc
         except TimeoutError as exc:
-            raise TransientStoreError(f"{what}: read timed out after {len(buf)} bytes") from exc
+            raise TransientStoreError(
+                f"{what}: read timed out after {len(buf)} bytes (a socket silent for "
+                "request_timeout_s, or the request past max_request_s)") from exc
 
     # -- events feed -------------------------------------------------------------------------
 
