@@ -17,7 +17,7 @@ check: lint
 
 # The full suite, engines included; what CI runs (.ci/run).
 test: lint
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=30 tests
 
 demo: setup
 	$(PY) examples/demo.py
