@@ -29,6 +29,7 @@ BENCHMARKS = {
     "publisher": "publish() and upload cost per training step, bytes per step",
     "apply": "engine pause per delta vs full reload_weights; peak extra host memory vs delta size",
     "download": "download throughput vs plain parallel GET",
+    "moe": "per-expert cost: shard map build with learned CPU MoE layouts, one step's apply, layout memory",
 }
 DEFAULT_OUT = Path(__file__).with_name("RESULTS.md")
 

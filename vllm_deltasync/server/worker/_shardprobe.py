@@ -135,29 +135,49 @@ class _ParamIndex:
 
 
 class _Recorder(TorchDispatchMode):
-    """Records where a meta probe's elements are copied; skips every write into the model."""
+    """Records where meta probes' elements are copied; skips every write into the model.
 
-    def __init__(self, name: str, probe: torch.Tensor, index: _ParamIndex) -> None:
+    ``probes`` maps checkpoint names to their probes: one name (probing one name at a time)
+    or all of them (one batched ``load_weights`` call). Each probe's storage names it, so a
+    copy is attributed to the name whose probe (or converted copy of it) is the source."""
+
+    def __init__(self, probes: Mapping[str, torch.Tensor], index: _ParamIndex) -> None:
         super().__init__()
-        self.name, self.index = name, index
-        self.probe_id = probe.untyped_storage()._cdata
-        self.keep: list[torch.Tensor] = [probe]
+        self.index = index
+        self.origin: dict[int, str] = {p.untyped_storage()._cdata: n for n, p in probes.items()}
+        self.name = next(iter(probes)) if len(probes) == 1 else "<batch>"
+        self.keep: list[torch.Tensor] = list(probes.values())
         self.aliases: dict[int, tuple[Geometry, Geometry]] = {}
         self.tainted: dict[int, str] = {}
-        self.blocks: list[tuple[str, Block]] = []
-        self.touched = False
-        """A probe copy reached a parameter (possibly of zero elements: an empty vocab shard)."""
+        self.blocks: dict[str, list[tuple[str, Block]]] = {n: [] for n in probes}
+        self.touched: set[str] = set()
+        """Names a probe copy reached a parameter for (possibly of zero elements: an empty
+        vocab shard)."""
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # the probe runs eagerly at start, never under torch.compile: skip torch's
+        # dynamo-disabling wrapper around every dispatched op (a third of the probe's time)
+        return False
 
     def error(self, what: str) -> ApplyError:
         return ApplyError(f"cannot place checkpoint tensor {self.name!r}: the loader {what}")
+
+    def name_of(self, t: torch.Tensor) -> str | None:
+        """The checkpoint name a meta tensor derives from (a view or converted copy of its
+        probe), or None."""
+        return self.origin.get(t.untyped_storage()._cdata) if t.device.type == "meta" else None
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         if func is _ATEN.copy_.default:
             return self._copy(args[0], args[1])
+        if func.is_view and not kwargs and len(args) and isinstance(args[0], torch.Tensor) \
+                and args[0].device.type == "meta":
+            return func(*args)  # a view of a probe (narrow, select, unbind, ...): geometry only
         metas = [a for a in _tensors(args, kwargs) if a.device.type == "meta"]
         written = _written(func, args, kwargs)
-        if any(self.index.owner(w) is not None for w in written):
+        if written and any(self.index.owner(w) is not None for w in written):
             if metas:
                 raise self.error(f"writes it into a parameter through {func}")
             return written[0]  # e.g. fill_ of vocab padding: never touch live weights
@@ -173,9 +193,12 @@ class _Recorder(TorchDispatchMode):
     def _derive(self, func: Any, metas: list[torch.Tensor], out: Any) -> None:
         outs = [o for o in (out if isinstance(out, (tuple, list)) else [out])
                 if isinstance(o, torch.Tensor) and o.device.type == "meta"]
+        source = next((n for n in map(self.name_of, metas) if n is not None), None)
         for o in outs:
             self.keep.append(o)
             sid = o.untyped_storage()._cdata
+            if source is not None:
+                self.origin[sid] = source
             if func in _COPY_OPS and len(metas) == 1 and metas[0].shape == o.shape:
                 try:
                     self.aliases[sid] = (_geom(o), self._geometry(metas[0]))
@@ -186,8 +209,6 @@ class _Recorder(TorchDispatchMode):
 
     def _geometry(self, t: torch.Tensor) -> Geometry:
         sid = t.untyped_storage()._cdata
-        if sid == self.probe_id:
-            return _geom(t)
         if sid in self.aliases:
             layout, base = self.aliases[sid]
             if _geom(t) == layout:
@@ -195,6 +216,8 @@ class _Recorder(TorchDispatchMode):
             raise self.error("views a converted copy of it in a way the shard map cannot follow")
         if sid in self.tainted:
             raise self.error(f"transforms its values with {self.tainted[sid]}")
+        if sid in self.origin:
+            return _geom(t)
         raise self.error("copies from a tensor that does not come from it")
 
     def _copy(self, dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
@@ -208,7 +231,10 @@ class _Recorder(TorchDispatchMode):
         if tuple(src.shape) != tuple(dst.shape):
             raise self.error(f"broadcasts shape {tuple(src.shape)} into {tuple(dst.shape)}")
         pname, param = owner
-        self.touched = True
+        name = self.name_of(src)
+        if name is None:
+            raise self.error("copies from a tensor that does not come from it")
+        self.touched.add(name)
         if not param.is_contiguous():
             raise self.error(f"writes into non-contiguous parameter {pname!r}")
         dst_geom: Geometry = (
@@ -219,7 +245,7 @@ class _Recorder(TorchDispatchMode):
         except ValueError as exc:
             raise self.error(f"writes {exc} into {pname!r}") from exc
         if block is not None:
-            self.blocks.append((pname, block))
+            self.blocks[name].append((pname, block))
         return dst
 
 
@@ -238,13 +264,19 @@ def _tensors(args: Any, kwargs: Any) -> list[torch.Tensor]:
     return out
 
 
+_WRITES: dict[Any, tuple[tuple[int, str], ...]] = {}
+
+
 def _written(func: Any, args: Any, kwargs: Any) -> list[torch.Tensor]:
-    """Tensors the op writes to, from the schema's alias annotations."""
+    """Tensors the op writes to, from the schema's alias annotations (cached per op)."""
+    writes = _WRITES.get(func)
+    if writes is None:
+        writes = tuple((i, arg.name) for i, arg in enumerate(func._schema.arguments)
+                       if arg.alias_info is not None and arg.alias_info.is_write)
+        _WRITES[func] = writes
     out = []
-    for i, arg in enumerate(func._schema.arguments):
-        if arg.alias_info is None or not arg.alias_info.is_write:
-            continue
-        value = args[i] if i < len(args) else kwargs.get(arg.name)
+    for i, name in writes:
+        value = args[i] if i < len(args) else kwargs.get(name)
         if isinstance(value, torch.Tensor):
             out.append(value)
     return out
@@ -257,34 +289,129 @@ def _dtype(name: str, dtype: str) -> torch.dtype:
     return value
 
 
+DECLINED = "declined by the loader of "
+"""Start of the unplaced reason of a name whose parameter's ``weight_loader`` answered False
+and wrote nothing: vLLM's way of saying the tensor belongs to another rank (an expert held by
+another expert-parallel rank). ``shardmap.py`` records such names as not on this rank."""
+
+
+class _Declines:
+    """While probing, wraps every parameter's ``weight_loader`` attribute to record the ones
+    that answer ``False`` (vLLM's ``return_success`` protocol: not loaded here)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+        self.declined: list[tuple[str, tuple[Any, ...]]] = []
+        """(parameter, the loader's tensor arguments) of each call that answered False."""
+        self.saved: list[tuple[torch.Tensor, bool, Any]] = []
+
+    def __enter__(self) -> _Declines:
+        for pname, p in self.model.named_parameters(remove_duplicate=False):
+            inner = getattr(p, "weight_loader", None)
+            if not callable(inner):
+                continue
+            own = "weight_loader" in vars(p)
+            try:
+                p.weight_loader = self._wrap(pname, inner)  # type: ignore[attr-defined]
+            except AttributeError:  # a read-only property (vLLM's parameter classes)
+                continue
+            self.saved.append((p, own, inner))
+        return self
+
+    def _wrap(self, pname: str, inner: Any) -> Any:
+        def weight_loader(*args: Any, **kwargs: Any) -> Any:
+            result = inner(*args, **kwargs)
+            if result is False:
+                self.declined.append((pname, tuple(_tensors(args, kwargs))))
+            return result
+
+        return weight_loader
+
+    def __exit__(self, *exc: object) -> None:
+        for p, own, inner in reversed(self.saved):
+            if own:
+                p.weight_loader = inner  # type: ignore[attr-defined]
+            else:
+                delattr(p, "weight_loader")
+        self.saved.clear()
+
+
 def probe_model(
     model: torch.nn.Module, checkpoint_params: Mapping[str, tuple[tuple[int, ...], str]]
 ) -> tuple[dict[str, list[tuple[str, Block]]], dict[str, str]]:
-    """Run the model's loader on a meta probe per name: (placed blocks, unplaced reasons)."""
+    """Run the model's loader on meta probes: (placed blocks, unplaced reasons).
+
+    First one ``load_weights`` call with every name (per-call overhead of the loaders, e.g.
+    their expert tables, is paid once: tens of thousands of expert tensors probe in seconds);
+    if anything in it fails, every name is probed alone, so the names that cannot be placed
+    are reported each with its own reason. A name whose only loader calls answered False
+    (:data:`DECLINED`) is unplaced with that reason; the caller decides what it means."""
     index = _ParamIndex(model)
     load_weights = getattr(model, "load_weights", None)
     if not callable(load_weights):
         raise ApplyError(f"{type(model).__name__} has no load_weights(); cannot derive a shard map")
+    probes = {name: torch.empty(tuple(shape), dtype=_dtype(name, dtype), device="meta")
+              for name, (shape, dtype) in checkpoint_params.items()}
+    with _Declines(model) as declines:
+        if len(probes) > 1:
+            batch = _probe_batch(load_weights, probes, index, declines)
+            if batch is not None:
+                return batch
+        placed: dict[str, list[tuple[str, Block]]] = {}
+        unplaced: dict[str, str] = {}
+        for name, probe in probes.items():
+            recorder = _Recorder({name: probe}, index)
+            declines.declined.clear()
+            try:
+                with torch.no_grad(), recorder:
+                    load_weights(iter([(name, probe)]))
+            except ApplyError:
+                raise
+            except Exception as exc:
+                unplaced[name] = f"the loader refused it ({type(exc).__name__}: {str(exc)[:160]})"
+                continue
+            finally:
+                index.restore(name)
+            _classify(name, recorder, [p for p, _ in declines.declined], placed, unplaced)
+        return placed, unplaced
+
+
+def _probe_batch(load_weights: Any, probes: Mapping[str, torch.Tensor], index: _ParamIndex,
+                 declines: _Declines
+                 ) -> tuple[dict[str, list[tuple[str, Block]]], dict[str, str]] | None:
+    """Every name in one ``load_weights`` call; None when anything failed (then the caller
+    probes name by name for exact reasons)."""
+    recorder = _Recorder(probes, index)
+    declines.declined.clear()
+    try:
+        with torch.no_grad(), recorder:
+            load_weights(iter(probes.items()))
+    except Exception:  # noqa: BLE001 - retried name by name, which reports it
+        return None
+    finally:
+        try:
+            index.restore("<batch>")
+        except ApplyError:
+            return None  # noqa: B012 - the per-name pass names the tensor
+    declined: dict[str, list[str]] = {}
+    for pname, tensors in declines.declined:
+        for name in {n for n in map(recorder.name_of, tensors) if n is not None}:
+            declined.setdefault(name, []).append(pname)
     placed: dict[str, list[tuple[str, Block]]] = {}
     unplaced: dict[str, str] = {}
-    for name, (shape, dtype) in checkpoint_params.items():
-        probe = torch.empty(tuple(shape), dtype=_dtype(name, dtype), device="meta")
-        recorder = _Recorder(name, probe, index)
-        try:
-            with torch.no_grad(), recorder:
-                load_weights(iter([(name, probe)]))
-        except ApplyError:
-            raise
-        except Exception as exc:
-            unplaced[name] = f"the loader refused it ({type(exc).__name__}: {str(exc)[:160]})"
-            continue
-        finally:
-            index.restore(name)
-        if recorder.touched:
-            placed[name] = recorder.blocks
-        else:
-            unplaced[name] = "load_weights wrote nothing for it"
+    for name in probes:
+        _classify(name, recorder, declined.get(name, []), placed, unplaced)
     return placed, unplaced
+
+
+def _classify(name: str, recorder: _Recorder, declined: list[str],
+              placed: dict[str, list[tuple[str, Block]]], unplaced: dict[str, str]) -> None:
+    if name in recorder.touched:
+        placed[name] = recorder.blocks[name]
+    elif declined:
+        unplaced[name] = DECLINED + ", ".join(sorted(set(declined)))
+    else:
+        unplaced[name] = "load_weights wrote nothing for it"
 
 
 def _strided_indices(offset: int, sizes: tuple[int, ...], strides: tuple[int, ...]) -> torch.Tensor:

@@ -55,6 +55,36 @@ def prepare(pieces: Iterable[Piece], *, non_blocking: bool = False) -> list[Piec
     return out
 
 
+def merge_pieces(pieces: Iterable[Piece]) -> list[Piece]:
+    """The pieces of one step with the sparse pieces of each parameter merged into one (per
+    relative / absolute and values dtype): one scatter per parameter instead of one per
+    checkpoint tensor (a MoE layer's experts are thousands of tensors in two parameters).
+    Dense pieces are kept as they are, first.
+
+    Only for the pieces of one step: there no two pieces write the same element (a patch has
+    each index once, a step's chunks are disjoint, and the shard map refuses two checkpoint
+    names writing one element), so the merged indices are distinct and order does not matter.
+    """
+    dense: list[Piece] = []
+    groups: dict[tuple[int, bool, torch.dtype], list[Piece]] = {}
+    for piece in pieces:
+        if piece.indices is None:
+            dense.append(piece)
+        else:
+            key = (id(piece.param), piece.relative, piece.values.dtype)
+            groups.setdefault(key, []).append(piece)
+    out = dense
+    for group in groups.values():
+        if len(group) == 1:
+            out.append(group[0])
+            continue
+        first = group[0]
+        indices = torch.cat([p.indices for p in group if p.indices is not None])
+        values = torch.cat([p.values.reshape(-1) for p in group])
+        out.append(Piece(first.param, indices, values, relative=first.relative))
+    return out
+
+
 @dataclass
 class Undo:
     """How to put back what :func:`apply_patches` wrote (module docstring)."""
@@ -205,5 +235,5 @@ def checkpoint_digest(shardmap: ShardMap, name: str, full: torch.Tensor) -> str:
     return sha256_hex(_rank_values(targets, values).to(dtype))
 
 
-__all__ = ["Undo", "apply_patches", "checkpoint_digest", "live_values", "prepare", "sha256_hex",
-           "tensor_digest"]
+__all__ = ["Undo", "apply_patches", "checkpoint_digest", "live_values", "merge_pieces", "prepare",
+           "sha256_hex", "tensor_digest"]

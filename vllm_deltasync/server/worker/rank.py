@@ -193,15 +193,16 @@ class RankState:
         self.param_versions = _param_versions(self.model)
 
     def prepare(self, manifest: Manifest, patches: list[TensorPatch]) -> tuple[list[Piece], int]:
-        """Poller thread: translate to this rank's shards and move to the device.
+        """Poller thread: translate to this rank's shards, merge the sparse pieces of each
+        parameter (one scatter per parameter at the switch) and move to the device.
 
         The shard map is read once: if the main thread replaces it meanwhile it also bumps the
         state's generation, so a step prepared with the old map is never staged."""
-        from vllm_deltasync.server.worker.apply import prepare
+        from vllm_deltasync.server.worker.apply import merge_pieces, prepare
         from vllm_deltasync.server.worker.shardmap import translate_all
 
         shardmap = self.shardmap
-        pieces = prepare(translate_all(shardmap, patches))
+        pieces = prepare(merge_pieces(translate_all(shardmap, patches)))
         if pieces and pieces[0].param.device.type == "cuda":
             torch.cuda.current_stream(pieces[0].param.device).synchronize()
         nbytes = sum(

@@ -20,9 +20,11 @@ asks the model itself, once at start (the idea of vLLM PR #43375):
    the checkpoint tensor: a value-transforming op on the probe (``mul``, ``cat``, a dtype
    conversion that is then viewed differently), a copy into a temporary, a loader exception, a
    loader that replaces ``param.data``. A name the loaders write nothing for is an error too,
-   except two explicit cases: a name tied to a parameter that another checkpoint name places
+   except three explicit cases: a name tied to a parameter that another checkpoint name places
    (``lm_head.weight`` with tied embeddings: recorded as *covered by* ``model.embed_tokens.weight``)
-   and buffers the engine recomputes (``rotary_emb.inv_freq``). Two names whose blocks are
+   and buffers the engine recomputes (``rotary_emb.inv_freq``), and names whose parameter's
+   ``weight_loader`` declined them (answered False, vLLM's "not on this rank": an expert held by
+   another expert-parallel rank), recorded as *not on this rank*. Two names whose blocks are
    identical (tied weights both loaded) keep only the first (the other is *covered by* it, so a
    relative patch is never applied twice); two names writing overlapping elements are an error.
 
@@ -54,7 +56,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from vllm_deltasync.errors import ApplyError
-from vllm_deltasync.server.worker._shardprobe import Block, probe_model
+from vllm_deltasync.server.worker._shardprobe import DECLINED, Block, probe_model
 from vllm_deltasync.server.worker.layouts import Layout, LayoutSpec
 
 if TYPE_CHECKING:
@@ -338,6 +340,8 @@ def _classify_unplaced(
             ignored[name] = f"tied: covered by {owner[id(tied)]!r}"
         elif name.endswith(RECOMPUTED_BUFFER_SUFFIXES):
             ignored[name] = "buffer recomputed by the engine"
+        elif why.startswith(DECLINED):  # e.g. an expert another expert-parallel rank holds
+            ignored[name] = f"not on this rank: {why}"
         else:
             errors.append(f"{name!r}: {why}")
     return ignored, covered, errors
@@ -483,5 +487,4 @@ def translate_all(shardmap: ShardMap, patches: Iterable[TensorPatch]) -> list[Pi
     return out
 
 
-__all__ = ["Block", "DenseView", "Layout", "LayoutSpec", "Piece", "ShardMap", "Target",
-           "translate_all"]
+__all__ = ["Block", "DenseView", "Piece", "ShardMap", "Target", "translate_all"]
