@@ -23,6 +23,8 @@ credentials_in_a_bucket_url[4 URL forms]               one line naming credentia
 redaction_of_urls_inside_any_text                      userinfo, queries, key=value secrets masked
 hostile_server_echoing_the_token                       the token is masked in errors and logs
 status_cli_redacts_userinfo_and_query                  no secret in ``status`` output
+synced_and_metrics_never_show_a_url_secret             /synced, /metrics redact rank and engine
+                                                       errors and the bucket label
 **3. two writers** (test_writer_faults.py)
 second_writer_on_hf_is_named_within_one_step           PublishError naming both tokens
 neither_writer_deletes_the_others_data                 retention keeps the other token's files

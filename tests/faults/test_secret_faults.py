@@ -81,3 +81,19 @@ def test_status_cli_redacts_userinfo_and_query(capsys: pytest.CaptureFixture[str
     rc, out, err = cli(capsys, "status", f"http://u:{SECRET}@127.0.0.1:1/metrics?token={TOKEN}")
     assert rc == 1 and "unreachable" in out
     assert_no_secret(out, err)
+
+
+def test_synced_and_metrics_never_show_a_url_secret() -> None:
+    """/synced and the bucket label redact what reaches them, whatever a rank reported."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from vllm_deltasync.server import metrics
+
+    registry = CollectorRegistry()
+    m = metrics.SyncMetrics(registry=registry, bucket_url=f"s3://{KEY}:{SECRET}@b/p?t={SESSION}")
+    leaky = f"StoreError: GET https://cdn.example/x?X-Amz-Signature={SECRET} failed"
+    m.update([{"rank": 0, "applied_step": 1, "newest_step": 2, "last_error": leaky,
+               "counters": metrics.WorkerStats().snapshot()}], now=1.0)
+    m.coordinator_state(failing=True, error=RuntimeError(f"tick: s3://{KEY}:{SECRET}@b/p"))
+    _, body = m.synced()
+    assert_no_secret(body, generate_latest(registry).decode())

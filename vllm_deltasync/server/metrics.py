@@ -70,7 +70,7 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
 
-from vllm_deltasync._urls import redact_url
+from vllm_deltasync._urls import redact_text, redact_url
 from vllm_deltasync.errors import ConfigError
 
 PREFIX = "deltasync"
@@ -136,6 +136,12 @@ _HISTOGRAMS: tuple[tuple[str, str, str, tuple[str, ...], tuple[float, ...]], ...
     ("pause_duration", "pause_duration_seconds",
      "Engine pause for one switch (every rank applies, prefix cache reset).", (), _APPLY_BUCKETS),
 )
+
+
+def _redacted(text: Any) -> Any:
+    """``/synced`` serves errors as they are, with every URL in them redacted (a second line
+    of defence: the poller redacts what it reports)."""
+    return redact_text(text) if isinstance(text, str) else text
 
 
 def error_reason(error: BaseException | str | None) -> str:
@@ -313,7 +319,7 @@ class SyncMetrics:
         with self._lock:
             if error is not None:
                 self.coordinator_failures.inc()
-                self._coordinator["last_error"] = f"{error_reason(error)}: {error}"
+                self._coordinator["last_error"] = redact_text(f"{error_reason(error)}: {error}")
             elif not failing:
                 self._coordinator["last_error"] = None
             self._coordinator["failing"] = failing
@@ -380,7 +386,7 @@ class SyncMetrics:
             behind = 0 if newest is None else newest - (-1 if applied is None else applied)
             rows.append({"rank": s.get("rank", index), "applied_step": applied,
                          "newest_step": newest, "steps_behind": max(behind, 0),
-                         "last_error": s.get("last_error")})
+                         "last_error": _redacted(s.get("last_error"))})
         ok = bool(rows) and not coordinator["failing"] and all(
             # an empty bucket leaves the loaded weights current
             (r["applied_step"] is not None or r["newest_step"] is None)
