@@ -177,6 +177,7 @@ def test_package_imports_without_vllm() -> None:
         sys.modules["vllm"] = None
         import vllm_deltasync
         assert vllm_deltasync.DeltaPublisher and vllm_deltasync.BucketReader
+        assert "vllm_deltasync.server.extension" not in sys.modules  # DeltaSyncExtension is lazy
         assert not any(m == "vllm" or m.startswith("vllm.") for m in sys.modules
                        if sys.modules[m] is not None), "vllm got imported"
         for name in {modules!r}:

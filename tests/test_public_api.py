@@ -18,9 +18,7 @@ import importlib.util
 import io
 import json
 import re
-import subprocess
 import sys
-import textwrap
 import tomllib
 import warnings
 from collections.abc import Iterator
@@ -118,20 +116,6 @@ def test_publisher_writes_what_the_reader_reads(
     for name in vllm_deltasync.__all__:
         if name != "DeltaSyncExtension":
             assert getattr(vllm_deltasync, name) is not None, name
-
-
-def test_importing_the_package_does_not_import_vllm() -> None:
-    script = textwrap.dedent("""
-        import sys
-        import vllm_deltasync
-        loaded = sorted(m for m in sys.modules if m == "vllm" or m.startswith("vllm."))
-        assert not loaded, loaded
-        assert "vllm_deltasync.server.extension" not in sys.modules
-        print("ok")
-    """)
-    proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True,
-                          text=True, timeout=300)
-    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-4000:]
 
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed")
