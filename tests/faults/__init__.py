@@ -62,6 +62,7 @@ nonexistent_directory_is_an_error[3]                   (test_cli_publisher_fault
 cli_never_prints_a_traceback_even_for_unexpected_errors
 publish_of_a_step_past_twelve_digits                   PublishError at publish time
 temp_files_of_a_killed_publisher_are_removed           stale ones only; a live writer's kept
+unfinished_s3_uploads_of_a_killed_publisher_are_aborted  s3:// multipart parts, older than stale_upload_s
 **9. scripts** (test_setup_faults.py)
 setup_never_stops_a_process_by_name
 setup_keeps_the_package_service_from_starting          policy-rc.d 101 during apt-get install

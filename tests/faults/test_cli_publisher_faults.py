@@ -11,13 +11,16 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from tests.conftest import S3_CREDENTIALS
 from tests.faults.conftest import cli, one_line_error
 from tests.format.conftest import Trainer
 from vllm_deltasync import DeltaPublisher
 from vllm_deltasync.errors import PublishError
+from vllm_deltasync.stores import open_store
 
 
 @pytest.mark.parametrize("verb", ["inspect", "verify", "import-trl"])
@@ -63,3 +66,38 @@ def test_temp_files_of_a_killed_publisher_are_removed(tmp_path: Path) -> None:
         pub.publish(0, trainer.weights)
     assert not stale.exists() and not orphan_dir.exists()
     assert live.exists()
+
+
+def test_unfinished_s3_uploads_of_a_killed_publisher_are_aborted(
+        make_s3_store: Any, run: Any) -> None:
+    """A writer killed inside a multipart upload leaves parts (billed, invisible to listing):
+    the next store's first write aborts uploads older than ``stale_upload_s``, not newer ones."""
+    killed = make_s3_store(prefix="p")
+
+    async def start_upload(store: Any, path: str) -> None:
+        key = store._key(path)
+        upload = await store._call("write", "t", "create_multipart_upload", Key=key)
+        await store._call("write", "t", "upload_part", Key=key, UploadId=upload["UploadId"],
+                          PartNumber=1, Body=b"x" * 1024)
+
+    async def uploads(store: Any) -> list[str]:
+        page = await store._call("list", "t", "list_multipart_uploads", Prefix="p/")
+        return sorted(u["Key"] for u in page.get("Uploads", []))
+
+    run(start_upload(killed, "data/000000000003-aaaa/00000.safetensors"))
+    assert run(uploads(killed)) == ["p/data/000000000003-aaaa/00000.safetensors"]
+    # moto dates every upload 2010-11-10: younger than a 10^10 s limit, older than 0 s
+    careful = open_store(killed.url, **{**_s3_settings(killed), "stale_upload_s": 1e10})
+    run(careful.write("manifests/x.json", b"{}"))  # not stale: kept (it may be a live writer's)
+    assert run(uploads(killed)) == ["p/data/000000000003-aaaa/00000.safetensors"]
+    run(careful.close())
+    sweeper = open_store(killed.url, **{**_s3_settings(killed), "stale_upload_s": 0})
+    run(sweeper.write("manifests/y.json", b"{}"))
+    assert run(uploads(killed)) == []
+    run(sweeper.close())
+
+
+def _s3_settings(store: Any) -> dict[str, Any]:
+    o = store.options
+    return {"endpoint_url": o.endpoint_url, "region_name": o.region_name,
+            "addressing_style": o.addressing_style, **S3_CREDENTIALS}

@@ -36,6 +36,7 @@ S3_KEYS: dict[str, Any] = {  # a value other than the default for every s3:// op
     "part_size": 8 << 20,
     "max_parallel_parts": 3,
     "max_pool_connections": 7,
+    "stale_upload_s": 120.0,
     "min_bytes_per_s": 2048,
     "rate_window_s": 4.5,
     "max_request_s": 60.0,

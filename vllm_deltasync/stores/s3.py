@@ -23,6 +23,7 @@ import asyncio
 import builtins
 import contextlib
 import dataclasses
+import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,6 +38,8 @@ from vllm_deltasync.stores.base import ObjectInfo, Store, check_path
 
 _ADDRESSING_STYLES = (None, "auto", "path", "virtual")
 _CREDENTIALS = ("aws_access_key_id", "aws_secret_access_key", "aws_session_token")
+
+logger = logging.getLogger(__name__)
 
 
 def parse_s3_url(url: str) -> tuple[str, str]:
@@ -75,6 +78,9 @@ class S3Options:
     """Bytes per multipart part and per parallel ranged read (S3 needs >= 5 MiB)."""
     max_parallel_parts: int = 8
     max_pool_connections: int = 32
+    stale_upload_s: float = 3600.0
+    """Multipart uploads under the prefix started longer ago than this are a killed writer's:
+    the store's first write aborts them (their parts cost storage until then)."""
     min_bytes_per_s: int | None = 64 << 10
     """A ranged read slower than this over ``rate_window_s`` is cut and the rest retried."""
     rate_window_s: float = 30.0
@@ -95,6 +101,10 @@ class S3Options:
                 "MinIO, most self-hosted servers), 'virtual' or 'auto'"
             )
         _options.check_bool(owner, "conditional_writes", self.conditional_writes)
+        if (isinstance(self.stale_upload_s, bool) or not isinstance(self.stale_upload_s, int | float)
+                or not self.stale_upload_s >= 0):
+            raise ConfigError(f"{owner}.stale_upload_s={self.stale_upload_s!r}: use seconds >= 0 "
+                              "(how old an unfinished multipart upload must be to be aborted)")
         _options.check_int(owner, "part_size", self.part_size, 5 << 20, " bytes (S3 parts are at least 5 MiB)")
         _options.check_int(owner, "multipart_threshold", self.multipart_threshold, 5 << 20, " bytes")
         if self.multipart_threshold < self.part_size:
@@ -156,6 +166,7 @@ class S3Store(Store):
         self._client: Any = None
         self._stack: contextlib.AsyncExitStack | None = None
         self._lock = asyncio.Lock()
+        self._swept = False
 
     @classmethod
     def from_url(cls, url: str, **store_options: Any) -> S3Store:
@@ -353,9 +364,47 @@ class S3Store(Store):
 
     # -- writes ------------------------------------------------------------------------------
 
+    async def abort_stale_uploads(self, older_than_s: float | None = None) -> builtins.list[str]:
+        """Abort the unfinished multipart uploads under this prefix that started more than
+        ``older_than_s`` (default ``stale_upload_s``) ago: what a writer killed in the middle of
+        a large object leaves behind. Returns their paths."""
+        import datetime
+
+        limit = self.options.stale_upload_s if older_than_s is None else older_than_s
+        cutoff = datetime.datetime.now(datetime.UTC) - datetime.timedelta(seconds=limit)
+        prefix = f"{self.prefix}/" if self.prefix else ""
+        aborted: builtins.list[str] = []
+        markers: dict[str, str] = {}
+        while True:
+            page = await self._call("list", f"{self.url}: list uploads", "list_multipart_uploads",
+                                    Prefix=prefix, **markers)
+            for upload in page.get("Uploads", []):
+                started = upload.get("Initiated")
+                if isinstance(started, datetime.datetime) and started <= cutoff:
+                    key = upload["Key"]
+                    with contextlib.suppress(NotFoundError):
+                        await self._call("delete", f"{self.url}: abort upload",
+                                         "abort_multipart_upload", Key=key,
+                                         UploadId=upload["UploadId"])
+                    aborted.append(self._rel(key))
+            if not page.get("IsTruncated"):
+                break
+            markers = {"KeyMarker": page.get("NextKeyMarker", ""),
+                       "UploadIdMarker": page.get("NextUploadIdMarker", "")}
+        if aborted:
+            logger.info("%s: aborted %d unfinished upload(s) left by a killed writer", self.url,
+                        len(aborted))
+        return aborted
+
     async def write(self, path: str, data: bytes | memoryview, *, overwrite: bool = False) -> None:
         what = f"{self.url}/{path}"
         payload = bytes(data)
+        if not self._swept:
+            self._swept = True
+            try:
+                await self.abort_stale_uploads()
+            except StoreError as exc:  # servers without the call (some gateways): not fatal
+                logger.info("%s: stale multipart uploads not checked: %s", self.url, exc)
         if not overwrite and not self.conditional_writes and await self.stat(path) is not None:
             raise AlreadyExistsError(f"{what}: already exists; bucket names are immutable")
         if len(payload) >= self.multipart_threshold:
