@@ -97,3 +97,31 @@ def test_synced_and_metrics_never_show_a_url_secret() -> None:
     m.coordinator_state(failing=True, error=RuntimeError(f"tick: s3://{KEY}:{SECRET}@b/p"))
     _, body = m.synced()
     assert_no_secret(body, generate_latest(registry).decode())
+
+
+def test_engine_core_failures_never_show_a_secret(caplog: pytest.LogCaptureFixture) -> None:
+    """A tick that fails with a URL carrying credentials in its message: the coordinator's
+    last_error, its status, /synced and its log line (with the traceback) are redacted."""
+    from vllm_deltasync.server.engine.coordinator import Coordinator
+
+    leak = f"https://{KEY}:{SECRET}@cdn.example/x?X-Amz-Security-Token={SESSION}&sig=1"
+
+    class EngineCore:  # the part of vLLM's EngineCore the coordinator calls
+        def collective_rpc(self, method: str, args: tuple[Any, ...] = ()) -> list[Any]:
+            raise RuntimeError(f"rank 0 could not reach {leak}")
+
+        def get_weight_version(self) -> str:
+            return "3"
+
+    coord = Coordinator(EngineCore(), SyncConfig(url="file:///tmp/b", metrics_port=0),
+                        wake=lambda: None, pause_states=None)
+    coord.active = True
+    with caplog.at_level("ERROR"):
+        for _ in range(3):
+            coord.tick()
+    shown = [coord.last_error or "", str(coord.engine_status()),
+             str(coord.metrics.synced()[1]), caplog.text]
+    assert "cdn.example/x" in shown[0] and shown[2].count("cdn.example") == 1
+    assert coord.engine_status()["failing"] and not coord.metrics.synced()[0]
+    for text in shown:
+        assert_no_secret(text)

@@ -14,9 +14,11 @@ import logging
 import os
 import threading
 import time
+import traceback
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from vllm_deltasync._urls import redact_text
 from vllm_deltasync.config import SyncConfig
 from vllm_deltasync.format.manifest import SCHEMA_VERSION
 from vllm_deltasync.server.metrics import MetricsServer, SyncMetrics
@@ -86,7 +88,7 @@ class Coordinator:
         self.server: MetricsServer | None = None
         self.switches: collections.deque[dict[str, Any]] = collections.deque(maxlen=256)
         self.statuses: list[dict[str, Any]] = []
-        self.last_error: str | None = None
+        self._last_error: str | None = None
         self.active = False
         self._stop = threading.Event()
         self._timer: threading.Thread | None = None
@@ -99,6 +101,15 @@ class Coordinator:
         self._failpoint = _Failpoint(os.environ.get(FAIL_SWITCH_ENV))
         self._switch_every = int(os.environ.get(SWITCH_EVERY_STEPS_ENV) or 0)
         self._model_steps = 0
+
+    @property
+    def last_error(self) -> str | None:
+        """The last failure, URLs and secrets redacted (served by ``/synced`` and the status)."""
+        return self._last_error
+
+    @last_error.setter
+    def last_error(self, text: str | None) -> None:
+        self._last_error = None if text is None else redact_text(text)
 
     # ----------------------------------------------------------------- lifecycle
     def start(self) -> None:
@@ -202,8 +213,9 @@ class Coordinator:
         self.metrics.coordinator_state(failing=failing, error=exc)
         if self.last_error != self._logged_error:
             self._logged_error = self.last_error
-            logger.error("deltasync tick failed (%d in a row; this error is logged once): %s",
-                         self.failed_ticks, self.last_error, exc_info=exc)
+            trace = redact_text("".join(traceback.format_exception(exc)))
+            logger.error("deltasync tick failed (%d in a row; this error is logged once): %s\n%s",
+                         self.failed_ticks, self.last_error, trace)
 
     def _tick(self, *, may_switch: bool) -> None:
         self.statuses = list(self.engine.collective_rpc("deltasync_status"))
