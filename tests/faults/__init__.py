@@ -24,8 +24,8 @@ redaction_of_urls_inside_any_text                      userinfo, queries, key=va
 hostile_server_echoing_the_token                       the token is masked in errors and logs
 status_cli_redacts_userinfo_and_query                  no secret in ``status`` output
 synced_and_metrics_never_show_a_url_secret             /synced, /metrics redact rank and engine
-engine_core_failures_never_show_a_secret               coordinator last_error, status, log + traceback
                                                        errors and the bucket label
+engine_core_failures_never_show_a_secret               coordinator last_error, status, log + traceback
 **3. two writers** (test_writer_faults.py)
 second_writer_on_hf_is_named_within_one_step           PublishError naming both tokens
 neither_writer_deletes_the_others_data                 retention keeps the other token's files
