@@ -127,6 +127,16 @@ def _gathered(pairs) -> dict[str, torch.Tensor]:  # type: ignore[no-untyped-def]
     return out
 
 
+def _dims(init: str | None) -> dict[str, int]:
+    """TinyLlama's sizes: the defaults, or those of the Hugging Face checkpoint in ``init``."""
+    if not init:
+        return {"vocab": 101, "h": 64, "i": 96, "layers": 2, "heads": 2, "kv": 1}
+    cfg = json.loads((Path(init) / "config.json").read_text())
+    return {"vocab": cfg["vocab_size"], "h": cfg["hidden_size"], "i": cfg["intermediate_size"],
+            "layers": cfg["num_hidden_layers"], "heads": cfg["num_attention_heads"],
+            "kv": cfg["num_key_value_heads"]}
+
+
 def _peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
@@ -138,7 +148,8 @@ def fsdp(url: str, out: Path, args: argparse.Namespace) -> dict:
 
     rank = dist.get_rank()
     torch.manual_seed(0)
-    model = TinyLlama()
+    dims = _dims(args.init)
+    model = TinyLlama(**dims)
     if args.init:
         state = load_file(str(Path(args.init) / "model.safetensors"))
         model.load_state_dict({k: v.float() for k, v in state.items()}, strict=True)
@@ -152,7 +163,7 @@ def fsdp(url: str, out: Path, args: argparse.Namespace) -> dict:
     steps_a, steps_b = range(args.steps), range(args.steps, args.steps + 3)
 
     def train_and_publish(pub: DeltaPublisher, step: int) -> None:
-        ids = torch.randint(0, 101, (2, 16), generator=gen)
+        ids = torch.randint(0, dims["vocab"], (2, 16), generator=gen)
         loss = nn.functional.cross_entropy(model(ids[:, :-1]).flatten(0, 1), ids[:, 1:].flatten())
         loss.backward()
         t0 = time.perf_counter()
