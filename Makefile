@@ -11,9 +11,10 @@ lint: setup
 	$(PY) -m ruff check vllm_deltasync tests examples benchmarks
 	$(PY) -m mypy
 
-# Fast loop while working: lint, types and every test that starts no vLLM engine (< 5 min).
+# Fast loop while working: lint, types and every test that starts no vLLM engine and no
+# multi-rank torchrun job (< 5 min). The full suite runs both.
 check: lint
-	$(PY) -m pytest -q -m "not engine" tests
+	$(PY) -m pytest -q -m "not engine and not distributed" tests
 
 # The full suite, engines included; what CI runs (.ci/run).
 test: lint
