@@ -20,8 +20,7 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from tests.format.conftest import Trainer, publish_run
-from vllm_deltasync.format.manifest import merge_ranges
+from tests.format.conftest import Trainer, publish_run, reindex
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -118,17 +117,6 @@ def manifest_doc(root: Path, step: int) -> dict[str, Any]:
 def write_doc(root: Path, step: int, doc: dict[str, Any] | bytes) -> None:
     data = doc if isinstance(doc, bytes) else json.dumps(doc).encode()
     (root / "manifests" / f"{step:012d}.json").write_bytes(data)
-
-
-def reindex(doc: dict[str, Any]) -> None:
-    """Keep a hostile v2 manifest self-consistent (file index = its chunks' byte ranges)."""
-    found: list[dict[str, list[tuple[int, int]]]] = [{} for _ in doc["files"]]
-    for t in doc["tensors"]:
-        for c in t["chunks"]:
-            for r in c["roles"].values():
-                found[c["file"]].setdefault(t["name"], []).append((r["offset"], r["length"]))
-    for f, ranges in zip(doc["files"], found, strict=True):
-        f["index"] = {n: [list(r) for r in merge_ranges(rs)] for n, rs in ranges.items()}
 
 
 def root_of(url: str) -> Path:

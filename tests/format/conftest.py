@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from vllm_deltasync.errors import TransientStoreError
+from vllm_deltasync.format.manifest import merge_ranges
 from vllm_deltasync.format.reader import BucketReader
 from vllm_deltasync.stores import register_store
 from vllm_deltasync.stores.local import LocalStore
@@ -148,3 +149,16 @@ def publish_run(url: str, steps: Sequence[int], trainer: Trainer, **options: Any
             pub.publish(step, trainer.weights)
             truth[step] = trainer.bf16()
     return truth
+
+
+def reindex(doc: dict[str, Any]) -> None:
+    """Keep a hostile v2 manifest self-consistent (file index = its chunks' byte ranges)."""
+    if doc["schema_version"] < 2:
+        return
+    found: list[dict[str, list[tuple[int, int]]]] = [{} for _ in doc["files"]]
+    for t in doc["tensors"]:
+        for c in t["chunks"]:
+            for r in c["roles"].values():
+                found[c["file"]].setdefault(t["name"], []).append((r["offset"], r["length"]))
+    for f, ranges in zip(doc["files"], found, strict=True):
+        f["index"] = {n: [list(r) for r in merge_ranges(rs)] for n, rs in ranges.items()}

@@ -20,12 +20,12 @@ from typing import Any
 import pytest
 import torch
 
-from tests.format.conftest import Trainer, bits_equal, publish_run, read_full
+from tests.format.conftest import Trainer, bits_equal, publish_run, read_full, reindex
 from vllm_deltasync import DeltaPublisher
 from vllm_deltasync.cli.bucket import _run_materialize, _run_verify
 from vllm_deltasync.config import SyncConfig
 from vllm_deltasync.errors import FormatError, IntegrityError
-from vllm_deltasync.format.manifest import Manifest, fingerprint, merge_ranges
+from vllm_deltasync.format.manifest import Manifest, fingerprint
 from vllm_deltasync.format.reader import BucketReader
 from vllm_deltasync.server.worker.poller import Poller
 
@@ -184,19 +184,6 @@ def two_writers(doc: dict[str, Any]) -> None:
 
 
 MUTATIONS = {"missing": missing, "partly": partly, "twice": twice, "two-writers": two_writers}
-
-
-def reindex(doc: dict[str, Any]) -> None:
-    """Keep a hostile v2 manifest self-consistent (file index = its chunks' byte ranges)."""
-    if doc["schema_version"] < 2:
-        return
-    found: list[dict[str, list[tuple[int, int]]]] = [{} for _ in doc["files"]]
-    for t in doc["tensors"]:
-        for c in t["chunks"]:
-            for r in c["roles"].values():
-                found[c["file"]].setdefault(t["name"], []).append((r["offset"], r["length"]))
-    for f, ranges in zip(doc["files"], found, strict=True):
-        f["index"] = {n: [list(r) for r in merge_ranges(rs)] for n, rs in ranges.items()}
 
 
 @pytest.fixture

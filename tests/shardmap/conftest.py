@@ -124,20 +124,17 @@ class TPWorld:
             torch.set_default_dtype(saved[2])
 
 
-@pytest.fixture(scope="module")
-def tp_world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TPWorld]:
-    pytest.importorskip("vllm")
+@contextlib.contextmanager
+def single_process_world(world: TPWorld, vllm_config: Any) -> Iterator[TPWorld]:
+    """vLLM's parallel state for one process (gloo), started under ``vllm_config`` (a MoE config
+    also makes vLLM create its expert-parallel group), torn down afterwards."""
+    from vllm.config import set_current_vllm_config
     from vllm.distributed import parallel_state
 
-    tmp = tmp_path_factory.mktemp("shardmap")
-    world = TPWorld(tmp)
-    tiny = world.model("llama_gqa")
-    from vllm.config import set_current_vllm_config
-
-    with set_current_vllm_config(tiny.vllm_config):
+    with set_current_vllm_config(vllm_config):
         parallel_state.init_distributed_environment(
             world_size=1, rank=0, local_rank=0, backend="gloo",
-            distributed_init_method=f"file://{tmp / 'dist_init'}",
+            distributed_init_method=f"file://{world.tmp / 'dist_init'}",
         )
         parallel_state.initialize_model_parallel(1, 1)
     try:
@@ -145,6 +142,14 @@ def tp_world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TPWorld]:
     finally:
         parallel_state.destroy_model_parallel()
         parallel_state.destroy_distributed_environment()
+
+
+@pytest.fixture(scope="module")
+def tp_world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TPWorld]:
+    pytest.importorskip("vllm")
+    world = TPWorld(tmp_path_factory.mktemp("shardmap"))
+    with single_process_world(world, world.model("llama_gqa").vllm_config):
+        yield world
 
 
 def random_checkpoint(

@@ -33,7 +33,7 @@ from vllm_deltasync.server.worker.apply import apply_patches, prepare
 from vllm_deltasync.server.worker.rank import checkpoint_params
 from vllm_deltasync.server.worker.shardmap import ShardMap, translate_all
 
-from .conftest import TinyModel, TPWorld, random_checkpoint
+from .conftest import TinyModel, TPWorld, random_checkpoint, single_process_world
 from .test_translate import assert_same_params, make_step
 
 EXPERTS = 12
@@ -80,23 +80,10 @@ def ep_world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TPWorld]:
     """``tp_world`` (tests/shardmap/conftest.py) with the parallel state started under a MoE
     config, so vLLM also creates its expert-parallel group."""
     pytest.importorskip("vllm")
-    from vllm.config import set_current_vllm_config
-    from vllm.distributed import parallel_state
-
-    tmp = tmp_path_factory.mktemp("ep")
-    world = TPWorld(tmp)
+    world = TPWorld(tmp_path_factory.mktemp("ep"))
     kind, _ = _ep_model(world, "qwen3_moe")
-    with set_current_vllm_config(world.models[kind].vllm_config):
-        parallel_state.init_distributed_environment(
-            world_size=1, rank=0, local_rank=0, backend="gloo",
-            distributed_init_method=f"file://{tmp / 'dist_init'}",
-        )
-        parallel_state.initialize_model_parallel(1, 1)
-    try:
+    with single_process_world(world, world.models[kind].vllm_config):
         yield world
-    finally:
-        parallel_state.destroy_model_parallel()
-        parallel_state.destroy_distributed_environment()
 
 
 def _expert_maps(model: torch.nn.Module) -> dict[int, tuple[torch.Tensor, str]]:
