@@ -256,7 +256,7 @@ def api_server(
              "--model", str(model_dir), "--port", str(port), "--host", "127.0.0.1",
              "--worker-extension-cls", EXTENSION, "--enforce-eager",
              "--max-model-len", str(max_model_len), "--max-num-seqs", "4", "--dtype", "bfloat16"],
-            env=full_env, stdout=log, stderr=subprocess.STDOUT)
+            env=full_env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     server = ApiServer(f"http://127.0.0.1:{port}", proc, log_path)
     try:
         deadline = time.monotonic() + 240

@@ -179,7 +179,7 @@ def test_api_server_killed_and_restarted_catches_up(run: Run) -> None:
         _wait_synced(metrics, 6, server)
         run.publish(7)
         time.sleep(0.3)  # while it follows step 7: mid-download or staged at worst
-        os.kill(server.proc.pid, signal.SIGKILL)
+        os.killpg(server.proc.pid, signal.SIGKILL)  # the server and its engine processes
         server.proc.wait()
     run.publish(8)  # an anchor (every 3rd step of run b)
     with api_server(run.tmp / "srv2", run.model_dir, env) as server:
