@@ -234,11 +234,12 @@ class ApiServer:
 
 @contextlib.contextmanager
 def api_server(
-    tmp: Path, model_dir: Path, env: dict[str, str], *, max_model_len: int = 512
+    tmp: Path, model_dir: Path, env: dict[str, str], *, max_model_len: int = 512,
+    extra_args: tuple[str, ...] = (),
 ) -> Iterator[ApiServer]:
     """Start vLLM's API server on a free loopback port with ``--worker-extension-cls`` and
-    ``env`` (the ``VLLM_DELTASYNC_*`` settings) on top of this process's environment; yield
-    once ``/health`` answers; terminate it on exit."""
+    ``env`` (the ``VLLM_DELTASYNC_*`` settings) on top of this process's environment, plus
+    ``extra_args``; yield once ``/health`` answers; terminate it on exit."""
     import socket
     import tempfile
     import urllib.request
@@ -255,7 +256,8 @@ def api_server(
             [sys.executable, "-m", "vllm.entrypoints.launchers.api_server.entry",
              "--model", str(model_dir), "--port", str(port), "--host", "127.0.0.1",
              "--worker-extension-cls", EXTENSION, "--enforce-eager",
-             "--max-model-len", str(max_model_len), "--max-num-seqs", "4", "--dtype", "bfloat16"],
+             "--max-model-len", str(max_model_len), "--max-num-seqs", "4", "--dtype", "bfloat16",
+             *extra_args],
             env=full_env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     server = ApiServer(f"http://127.0.0.1:{port}", proc, log_path)
     try:
