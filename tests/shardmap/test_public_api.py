@@ -11,8 +11,8 @@ def test_exported_members() -> None:
         "Block", "DenseView", "Piece", "ShardMap", "Target", "translate_all",
     ]
     assert sorted(apply_mod.__all__) == [
-        "Undo", "apply_patches", "checkpoint_digest", "live_values", "merge_pieces", "prepare",
-        "sha256_hex", "tensor_digest",
+        "Undo", "apply_patches", "checkpoint_digest", "compact", "live_values", "merge_pieces",
+        "prepare", "sha256_hex", "staged_nbytes", "tensor_digest",
     ]
     for mod in (shardmap_mod, apply_mod):
         for name in mod.__all__:

@@ -39,9 +39,15 @@ CORRUPT_RETRY_MAX_S = 300.0
 """Longest wait before a step that failed verification is downloaded again (the wait starts at
 the poll interval and doubles per failure); a newer anchor is followed meanwhile."""
 
-Prepare = Callable[[Manifest, list[TensorPatch]], tuple[Any, int]]
+Prepare = Callable[[Manifest, list[Any]], tuple[Any, int]]
 """``prepare(manifest, patches) -> (payload, host_bytes)``: runs on a worker thread of the
-poller; the payload is what :meth:`SyncState.take` hands back to the applier."""
+poller; the payload is what :meth:`SyncState.take` hands back to the applier. ``patches`` holds
+the step's patches, or with an ``each`` callback what it returned for each of them."""
+
+Each = Callable[[TensorPatch], Any]
+"""``each(patch) -> staged``: runs on a worker thread of the poller for every patch as it is
+decoded, so the step never holds all of its decoded patches at once (e.g. translate and stage
+them compactly); what it returns is handed to ``prepare`` in place of the patch."""
 
 
 class Poller:
@@ -59,6 +65,7 @@ class Poller:
         reader: BucketReader | None = None,
         stats: WorkerStats | None = None,
         state: SyncState[Any] | None = None,
+        each: Each | None = None,
     ) -> None:
         self.config = config
         self.rank = rank
@@ -66,6 +73,7 @@ class Poller:
         self.state: SyncState[Any] = state if state is not None else SyncState(applied_step)
         self.state.set_on_room(self._signal_room)
         self._prepare = prepare
+        self._each = each
         self._select = select
         self._reader = reader or BucketReader.open(
             config.url,
@@ -252,11 +260,22 @@ class Poller:
 
     async def _stage(self, manifest: Manifest) -> StagedStep[Any]:
         started = time.perf_counter()
-        patches = [
-            p async for p in self._guarded_iter(manifest)
-        ]
+        patches: list[Any] = []
+        staging_s = 0.0  # spent in ``each``: not download time
+        async for patch in self._guarded_iter(manifest):
+            if self._each is None:
+                patches.append(patch)
+                continue
+            t0 = time.perf_counter()
+            try:
+                patches.append(await asyncio.to_thread(self._each, patch))
+            except Exception as exc:
+                exc.add_note("stage=stage")
+                raise
+            staging_s += time.perf_counter() - t0
+            del patch
         downloaded = self._reader.selected_bytes(manifest, self._select)
-        download_s = time.perf_counter() - started
+        download_s = time.perf_counter() - started - staging_s
         kind = "anchor" if manifest.kind == "anchor" else "delta"
         self.stats.add_download(kind, downloaded, download_s)
         try:
@@ -296,4 +315,4 @@ def _stage_of(exc: BaseException) -> str:
     return "discover"
 
 
-__all__ = ["Poller", "Prepare"]
+__all__ = ["Each", "Poller", "Prepare"]

@@ -99,6 +99,7 @@ class RankState:
         self.poller = Poller(
             config,
             self.prepare,
+            each=self.stage_patch,
             select=lambda n: n not in names or bool(self.shardmap.targets(n)),
             fingerprint=self.fingerprint,
             rank=self.rank,
@@ -192,25 +193,45 @@ class RankState:
         """Our own writes moved the parameters' version counters: remember the new ones."""
         self.param_versions = _param_versions(self.model)
 
-    def prepare(self, manifest: Manifest, patches: list[TensorPatch]) -> tuple[list[Piece], int]:
-        """Poller thread: translate to this rank's shards, merge the sparse pieces of each
+    def stage_patch(self, patch: TensorPatch) -> list[Piece]:
+        """Poller thread, per patch as it is decoded: translate to this rank's shards and stage
+        on the host (int32 indices, 16-bit values: ``apply.compact``), so a step's int64 decode
+        output lives one patch at a time, never for the whole step."""
+        from vllm_deltasync.server.worker.apply import compact
+
+        return compact(self.shardmap.translate(patch))
+
+    def prepare(self, manifest: Manifest, patches: list[Any]) -> tuple[list[Piece], int]:
+        """Poller thread: translate to this rank's shards (unless :meth:`stage_patch` did, per
+        patch: then ``patches`` holds its lists of pieces), merge the sparse pieces of each
         parameter (one scatter per parameter at the switch) and move to the device.
 
-        The shard map is read once: if the main thread replaces it meanwhile it also bumps the
-        state's generation, so a step prepared with the old map is never staged."""
-        from vllm_deltasync.server.worker.apply import merge_pieces, prepare
-        from vllm_deltasync.server.worker.shardmap import translate_all
+        The returned bytes are what the staged pieces hold (``apply.staged_nbytes``): about 6
+        per changed element of a 16-bit parameter, 8 of an fp32 one.
+
+        If the main thread replaces the shard map while a step is staged it also bumps the
+        state's generation, so a step translated (even in part) with the old map is never
+        staged."""
+        from vllm_deltasync.server.worker.apply import (
+            compact,
+            merge_pieces,
+            prepare,
+            staged_nbytes,
+        )
 
         shardmap = self.shardmap
-        pieces = prepare(merge_pieces(translate_all(shardmap, patches)))
+        staged: list[Piece] = []
+        for i, item in enumerate(patches):
+            if isinstance(item, TensorPatch):
+                staged.extend(compact(shardmap.translate(item)))
+            else:
+                staged.extend(item)
+            patches[i] = None  # each patch's tensors are freed once staged
+        staged.reverse()
+        pieces = prepare(merge_pieces(staged.pop() for _ in range(len(staged))))
         if pieces and pieces[0].param.device.type == "cuda":
             torch.cuda.current_stream(pieces[0].param.device).synchronize()
-        nbytes = sum(
-            p.values.numel() * p.values.element_size()
-            + (p.indices.numel() * p.indices.element_size() if p.indices is not None else 0)
-            for p in pieces
-        )
-        return pieces, nbytes
+        return pieces, staged_nbytes(pieces)
 
     def apply(self, step: int) -> dict[str, Any]:
         """Main thread, between model steps: write every staged step up to ``step``.

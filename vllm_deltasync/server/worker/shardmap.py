@@ -84,10 +84,17 @@ class Piece(tuple):  # type: ignore[type-arg]
     ``local_flat_indices`` is an int64 tensor of flat indices into ``param.view(-1)``, or
     ``None`` for a dense piece, whose destination is ``dense`` (a strided view) and whose
     ``values`` have ``dense.sizes``. ``relative`` is the patch's flag (int16 bit differences).
+
+    Staged (compact) pieces, made by :func:`~vllm_deltasync.server.worker.apply.prepare`,
+    carry int32 indices relative to ``base``: the flat index of element ``i`` is
+    ``base + indices[i]``, and ``span`` bounds them (every ``indices[i] < span <= 2**31``).
+    Pieces from :meth:`ShardMap.translate` have ``base`` 0 and int64 indices.
     """
 
     dense: DenseView | None
     relative: bool
+    base: int
+    span: int | None
 
     def __new__(
         cls,
@@ -97,10 +104,14 @@ class Piece(tuple):  # type: ignore[type-arg]
         *,
         dense: DenseView | None = None,
         relative: bool = False,
+        base: int = 0,
+        span: int | None = None,
     ) -> Piece:
         self = super().__new__(cls, (param, indices, values))
         self.dense = dense
         self.relative = relative
+        self.base = base
+        self.span = span
         return self
 
     @property
