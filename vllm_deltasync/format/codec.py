@@ -69,6 +69,9 @@ class Codec(abc.ABC):
     """True: decoded values are int16 bit-pattern differences against the base step."""
     max_bytes_per_element: int = 8
     """Upper bound on encoded bytes per element; the publisher sizes chunks with it."""
+    min_reader: str | None = None
+    """The first vllm-deltasync release that reads this encoding, where it is newer than the
+    format version's own (a manifest using it says so in ``requires``); None: every v2 reader."""
 
     @abc.abstractmethod
     def encode(

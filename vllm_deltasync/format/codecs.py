@@ -14,10 +14,12 @@ from vllm_deltasync.errors import FormatError
 from vllm_deltasync.format.codec import Codec, DenseCodec, SparseV1Codec, TensorPatch, check_indices
 from vllm_deltasync.format.manifest import Chunk, Region, TensorEntry
 from vllm_deltasync.format.sparse_v2 import SparseV2Codec
+from vllm_deltasync.format.sparse_v3 import SparseV3Codec
 
 CODECS: Mapping[str, Codec] = {
     codec.name: codec
-    for codec in (DenseCodec(), SparseV1Codec(), SparseV2Codec(), SparseV2Codec(compression="zstd"))
+    for codec in (DenseCodec(), SparseV1Codec(), SparseV2Codec(), SparseV2Codec(compression="zstd"),
+                  SparseV3Codec())
 }
 
 

@@ -277,11 +277,23 @@ def _no_constant(name: str) -> Any:
     raise ValueError(f"{name} is not a JSON number (NaN and Infinity are refused)")
 
 
+def min_reader(m: Manifest) -> str:
+    """The first release that reads ``m``: its format version's, or a newer one its codecs need."""
+    from vllm_deltasync.format.codecs import CODECS  # the table imports this module
+
+    versions = [MIN_READER[m.schema_version]]
+    for t in m.tensors:
+        codec = CODECS.get(t.encoding)
+        if codec is not None and codec.min_reader:
+            versions.append(codec.min_reader)
+    return max(versions, key=lambda v: tuple(int(x) for x in v.split(".")))
+
+
 def _to_dict_v2(m: Manifest) -> dict[str, Any]:
     return {
         "format": m.format,
         "schema_version": m.schema_version,
-        "requires": m.requires or f"vllm-deltasync>={MIN_READER[m.schema_version]}",
+        "requires": m.requires or f"vllm-deltasync>={min_reader(m)}",
         "run_id": m.run_id,
         "writer": m.writer,
         "step": m.step,

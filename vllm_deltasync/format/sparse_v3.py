@@ -1,0 +1,398 @@
+"""``sparse-v3``: entropy-coded deltas, ~1.1-1.3 bytes per changed element (docs/codec.md).
+
+One chunk of ``n`` changed elements is one role, ``data`` (uint8): a *body* of byte-aligned
+sections, stored as is (``meta["compression"] = "none"``) or as one zstd frame in which every
+section starts a new block, so each gets its own Huffman table (``"zstd"``), whichever is
+smaller. Two layouts (``meta["layout"]``):
+
+``"gaps"`` (sparse). Gaps ``g[0] = 0``, ``g[k] = i[k] - i[k-1]``, ``meta["first"] = i[0]``.
+Each gap is split into its low byte and its high part ``h = g >> 8``; each value into the code
+``c = (zigzag(d) - 1) mod 2**16`` of ``d = (new_bits - old_bits) mod 2**16`` (``c = 0, 1, 2, 3``
+for ``d = -1, +1, -2, +2``; ``d = 0`` is 65535). One *field byte* per element holds both, with
+``hb = meta["high_bits"]`` (1-7) bits of ``min(h, 2**hb - 1)`` and ``8 - hb`` bits of
+``min(c, 2**(8 - hb) - 1)`` above them; all-ones = escape, the true value follows in an
+overflow section, in element order. ``hb = 8``: the byte is ``min(h, 255)`` only and the
+values are int16 (``values16``). Body, widest sections first, little-endian::
+
+    high_overflow   uint32 x high_escapes    h - (2**hb - 1) of each escaped high field
+    values16        int16 x n                hb = 8 only: d (or the raw bf16 bits)
+    value_overflow  int16 x value_escapes    hb < 8: d of each escaped value field
+    low             uint8 x n                g & 0xFF
+    fields          uint8 x n                the field bytes
+
+Merging the two fields keeps zstd's byte-wise Huffman stage off its 1 bit per byte floor
+(the high part alone carries ~0.3 bits at 1% density).
+
+``"span"`` (dense fallback, chosen where smaller): ``int16 x meta["span"]``: ``d`` of every
+local index ``first .. first + span - 1``, 0 where unchanged; the changed elements are the
+non-zero ones (used only when every given ``d`` is non-zero, and ``span <= 16 * n + 16``).
+It is never larger than the dense bf16 size of the span.
+
+``meta["values"] = "raw"`` (encoder given no base values): ``values16`` holds the absolute
+bf16 bits, ``high_bits`` is 8, no ``span`` layout.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import torch
+
+from vllm_deltasync.errors import ConfigError, FormatError
+from vllm_deltasync.format.codec import Codec
+
+ZSTD_LEVEL = 15
+MAX_INDEX = (1 << 40) - 1
+"""Largest local index (a tensor has at most 2**40 elements), so a high part fits uint32."""
+MAX_SPAN_PER_ELEMENT = 16
+"""The ``span`` layout is used (and accepted) only for ``span <= 16 * count + 16``."""
+_SMALL = 256
+"""Chunks of fewer elements choose field widths by raw size (zstd would not pay off)."""
+
+
+def _zigzag_code(d: np.ndarray) -> np.ndarray:
+    """int16 d -> uint16 c = (zigzag(d) - 1) mod 2**16: -1, 1, -2, 2, ... -> 0, 1, 2, 3; 0 -> 65535."""
+    zz = ((d << 1) ^ (d >> 15)).view(np.uint16)
+    return zz - np.uint16(1)
+
+
+def _unzigzag_code(c: np.ndarray) -> np.ndarray:
+    zz = (c.astype(np.int64) + 1) & 0xFFFF
+    return ((zz >> 1) ^ -(zz & 1)).astype(np.int16)
+
+
+_BYTES = np.arange(256, dtype=np.int64)
+_VALUE_LUT = {hb: _unzigzag_code(_BYTES >> hb) for hb in range(1, 8)}
+"""field byte -> its int16 difference (an escape: the difference its code stands for)."""
+
+
+def _entropy_bits(hist: np.ndarray) -> float:
+    p = hist[hist > 0] / hist.sum()
+    return float(-(p * np.log2(p)).sum())
+
+
+def _choose_high_bits(high: np.ndarray, codes: np.ndarray | None) -> int:
+    """``high_bits`` with the smallest estimated size.
+
+    Estimate: zstd's Huffman stage codes bytes, at least 1 bit each, so a field byte costs
+    ``max(entropy of the field bytes, 1)`` bits (+2% for tables); a high escape ~3 bytes, a value
+    escape ~1.5 (their overflow compresses). Small chunks (not worth compressing) are sized raw.
+    """
+    n = high.size
+    small = n < _SMALL
+    hclip = np.minimum(high, 255)
+    costs: dict[int, float] = {}
+    h8 = np.bincount(hclip, minlength=256)
+    costs[8] = (n if small else n * (max(_entropy_bits(h8), 1.0) + 0.02) / 8 + 1.9 * n) + \
+        (4 if small else 3) * int(h8[255:].sum())
+    if codes is None:
+        return 8
+    cclip = np.minimum(codes, 255).astype(np.int64)
+    for hb in range(1, 8):
+        hm, vm = (1 << hb) - 1, (1 << (8 - hb)) - 1
+        hf, vf = np.minimum(hclip, hm), np.minimum(cclip, vm)
+        he, ve = int(np.count_nonzero(hf == hm)), int(np.count_nonzero(vf == vm))
+        if small:
+            costs[hb] = n + 4 * he + 2 * ve
+        else:
+            hist = np.bincount(hf | (vf << hb), minlength=256)
+            costs[hb] = n * (max(_entropy_bits(hist), 1.0) + 0.02) / 8 + 3 * he + 1.5 * ve
+    return min(costs, key=lambda hb: (costs[hb], hb))
+
+
+_LOCAL = threading.local()
+
+
+def _zstd() -> Any:
+    try:
+        import zstandard
+    except ImportError:
+        raise ConfigError("sparse-v3 needs zstandard (a dependency of vllm-deltasync>=0.3.0): "
+                          "`pip install zstandard`") from None
+    return zstandard
+
+
+def _compress(sections: list[bytes], level: int) -> bytes:
+    """One zstd frame of the sections, each section starting a new block (so each gets its own
+    Huffman table: a low-byte plane and a skewed field plane in one block would share one)."""
+    zstd = _zstd()
+    key = f"c{level}"
+    cctx = getattr(_LOCAL, key, None)
+    if cctx is None:
+        params = zstd.ZstdCompressionParameters.from_level(
+            level, window_log=17, chain_log=12, hash_log=12, search_log=1, min_match=7,
+            strategy=zstd.STRATEGY_BTOPT, write_content_size=1, write_checksum=0)
+        cctx = zstd.ZstdCompressor(compression_params=params)
+        setattr(_LOCAL, key, cctx)
+    obj = cctx.compressobj(size=sum(len(s) for s in sections))
+    out = []
+    for section in sections:
+        if section:
+            out.append(obj.compress(section))
+            out.append(obj.flush(zstd.COMPRESSOBJ_FLUSH_BLOCK))
+    out.append(obj.flush(zstd.COMPRESSOBJ_FLUSH_FINISH))
+    return b"".join(out)
+
+
+def _decompress(frame: np.ndarray, size: int) -> bytes:
+    zstd = _zstd()
+    try:
+        declared = zstd.frame_content_size(frame)
+    except zstd.ZstdError as exc:
+        raise FormatError(f"sparse-v3: the zstd frame header is corrupt ({exc})") from exc
+    if declared != size:  # a decompressor allocates what the header says: refuse first
+        raise FormatError(f"sparse-v3: the zstd frame says {declared} bytes, the chunk meta "
+                          f"{size}; refused before decompressing")
+    dctx = getattr(_LOCAL, "d", None)
+    if dctx is None:
+        dctx = _LOCAL.d = zstd.ZstdDecompressor()
+    try:
+        raw = dctx.decompress(frame, max_output_size=max(size, 1))
+    except zstd.ZstdError as exc:
+        raise FormatError(f"sparse-v3: the zstd frame is corrupt ({exc})") from exc
+    if len(raw) != size:
+        raise FormatError(f"sparse-v3: {len(raw)} bytes after decompression, expected {size}")
+    return bytes(raw)
+
+
+# --------------------------------------------------------------------------------------------
+# encode
+
+
+def _gaps_body(idx: np.ndarray, values16: np.ndarray, codes: np.ndarray | None,
+               meta: dict[str, Any]) -> list[bytes]:
+    """Sections of the ``gaps`` layout (``codes`` None: raw values); fills ``meta``."""
+    n = idx.size
+    gaps = np.empty(n, np.int64)
+    gaps[:1] = 0
+    np.subtract(idx[1:], idx[:-1], out=gaps[1:])
+    low = (gaps & 0xFF).astype(np.uint8)
+    high = gaps >> 8
+    hb = _choose_high_bits(high, codes)
+    hm = (1 << hb) - 1
+    hbig = high >= hm
+    high_over = (high[hbig] - hm).astype("<u4")
+    fields = np.minimum(high, hm).astype(np.uint8)
+    if hb == 8:
+        sections = [high_over.tobytes(), values16.astype("<i2").tobytes(), b""]
+        ve = 0
+    else:
+        assert codes is not None
+        vm = (1 << (8 - hb)) - 1
+        vbig = codes >= vm
+        fields |= (np.minimum(codes, vm).astype(np.uint8) << np.uint8(hb))
+        value_over = values16[vbig].astype("<i2")
+        sections = [high_over.tobytes(), b"", value_over.tobytes()]
+        ve = int(value_over.size)
+    meta.update(high_bits=hb, high_escapes=int(high_over.size), value_escapes=ve)
+    return [*sections, low.tobytes(), fields.tobytes()]
+
+
+def _body_size(meta: Mapping[str, Any], count: int) -> int:
+    """Exact body size the meta and ``count`` imply (meta already range-checked)."""
+    if meta["layout"] == "span":
+        return 2 * int(meta["span"])
+    hb = int(meta["high_bits"])
+    values = 2 * count if hb == 8 else 2 * int(meta["value_escapes"])
+    return 4 * int(meta["high_escapes"]) + values + 2 * count
+
+
+class SparseV3Codec(Codec):
+    """Gap low bytes plus merged (high part, value code) field bytes, in one zstd frame."""
+
+    name = "sparse-v3"
+    relative = True
+    max_bytes_per_element = 6
+    """Sizes chunks like sparse-v1; encoded chunks are ~5x smaller than this bound."""
+    min_reader = "0.3.0"
+
+    def __init__(self, *, level: int = ZSTD_LEVEL) -> None:
+        """``level``: zstd level whose parameters are used, with zstd's optimal parser (btopt)
+        and 7-byte minimum matches: the streams hold almost no repeats, and short matches found
+        by the faster parsers cost more than the literals they replace."""
+        self.level = level
+
+    def encode(
+        self, indices: torch.Tensor | None, new_values: torch.Tensor, old_values: torch.Tensor | None
+    ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        idx, new = _check_input(indices, new_values, old_values)
+        n = idx.size
+        first = int(idx[0]) if n else 0
+        meta: dict[str, Any] = {"layout": "gaps", "first": first,
+                                "values": "raw" if old_values is None else "diff"}
+        if n == 0:
+            meta.update(high_bits=8 if old_values is None else 2, high_escapes=0, value_escapes=0,
+                        compression="none")
+            return {"data": torch.empty(0, dtype=torch.uint8)}, meta
+        new16 = new.view(torch.int16).numpy()
+        if old_values is None:
+            candidates = [(meta, _gaps_body(idx - first, new16, None, meta))]
+        else:
+            old16 = old_values.cpu().contiguous().view(torch.int16).numpy()
+            diff = new16 - old16  # wrapping int16 arithmetic
+            candidates = [(meta, _gaps_body(idx - first, diff, _zigzag_code(diff), meta))]
+            span = int(idx[-1]) - first + 1
+            if span <= MAX_SPAN_PER_ELEMENT * (n + 1) and bool(np.all(diff != 0)):
+                dense = np.zeros(span, "<i2")
+                dense[idx - first] = diff
+                candidates.append(({"layout": "span", "first": first, "span": span, "values": "diff"},
+                                   [dense.tobytes()]))
+        best: tuple[int, dict[str, Any], bytes] | None = None
+        for m, sections in candidates:
+            body = b"".join(sections)
+            options = [("none", body)]
+            if len(body) >= 64:
+                options.append(("zstd", _compress(sections, self.level)))
+            for how, data in options:
+                if best is None or len(data) < best[0]:
+                    best = (len(data), {**m, "compression": how}, data)
+        assert best is not None
+        _, meta, data = best
+        return {"data": torch.frombuffer(bytearray(data), dtype=torch.uint8)}, meta
+
+    def decode(
+        self, tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any], count: int
+    ) -> tuple[torch.Tensor | None, torch.Tensor, bool]:
+        try:
+            return _decode(tensors, meta, count)
+        except (KeyError, TypeError, ValueError, OverflowError, IndexError) as exc:
+            raise FormatError(f"sparse-v3 chunk meta is incomplete or malformed "
+                              f"({type(exc).__name__}: {str(exc)[:200]})") from None
+
+
+def _check_input(
+    indices: torch.Tensor | None, new_values: torch.Tensor, old_values: torch.Tensor | None
+) -> tuple[np.ndarray, torch.Tensor]:
+    if indices is None:
+        raise FormatError("sparse-v3 needs indices (it is a delta codec; anchors use 'dense')")
+    if indices.dim() != 1 or new_values.dim() != 1 or indices.numel() != new_values.numel():
+        raise FormatError(f"sparse-v3: indices {tuple(indices.shape)} and values "
+                          f"{tuple(new_values.shape)} must be 1-D of equal length")
+    if indices.numel() >= 2**31:
+        raise FormatError("sparse-v3: a chunk holds at most 2**31 - 1 elements; use smaller files")
+    if new_values.dtype != torch.bfloat16 or (
+        old_values is not None and (old_values.dtype != torch.bfloat16 or old_values.shape != new_values.shape)
+    ):
+        raise FormatError("sparse-v3: new and base values must be bf16 1-D tensors of equal length")
+    idx = indices.to(device="cpu", dtype=torch.int64).contiguous().numpy()
+    if idx.size and (int(idx[0]) < 0 or int(idx[-1]) > MAX_INDEX):
+        raise FormatError(f"sparse-v3: indices must lie in [0, {MAX_INDEX}]")
+    if idx.size > 1 and not bool(np.all(idx[1:] > idx[:-1])):
+        raise FormatError("sparse-v3: indices must be strictly increasing")
+    return idx, new_values.cpu().contiguous()
+
+
+# --------------------------------------------------------------------------------------------
+# decode
+
+
+def _meta_int(meta: Mapping[str, Any], key: str, low: int, high: int) -> int:
+    """An integer field of the chunk meta, checked to lie in ``[low, high]`` before use."""
+    value = meta[key]
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise FormatError(f"sparse-v3 chunk meta: {key}={str(value)[:40]} is not an integer in "
+                          f"[{low}, {high}]")
+    return value
+
+
+def _meta_choice(meta: Mapping[str, Any], key: str, choices: tuple[Any, ...]) -> Any:
+    value = meta[key]
+    if isinstance(value, bool) or value not in choices:
+        raise FormatError(f"sparse-v3 chunk meta: {key}={str(value)[:40]!r} is not one of {choices}")
+    return value
+
+
+def _checked_meta(meta: Mapping[str, Any], count: int) -> None:
+    layout = _meta_choice(meta, "layout", ("gaps", "span"))
+    mode = _meta_choice(meta, "values", ("diff", "raw"))
+    _meta_choice(meta, "compression", ("none", "zstd"))
+    _meta_int(meta, "first", 0, MAX_INDEX)
+    if layout == "span":
+        if mode != "diff":
+            raise FormatError("sparse-v3 chunk meta: the span layout holds differences only")
+        _meta_int(meta, "span", count, MAX_SPAN_PER_ELEMENT * (count + 1))
+        return
+    hb = _meta_int(meta, "high_bits", 1, 8)
+    _meta_int(meta, "high_escapes", 0, count)
+    _meta_int(meta, "value_escapes", 0, count if hb < 8 else 0)
+    if mode == "raw" and hb != 8:
+        raise FormatError("sparse-v3 chunk meta: raw values need high_bits 8")
+
+
+def _body(tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any], size: int) -> np.ndarray:
+    data = tensors.get("data")
+    if data is None or data.dtype != torch.uint8 or data.dim() != 1:
+        raise FormatError("sparse-v3: role 'data' (uint8, 1-D) is missing or malformed")
+    if len(tensors) != 1:
+        raise FormatError(f"sparse-v3: unexpected roles {sorted(tensors)}")
+    arr = data.cpu().numpy()
+    if meta["compression"] == "none":
+        if arr.size != size:
+            raise FormatError(f"sparse-v3: role 'data' has {arr.size} bytes, the meta implies {size}")
+        return arr
+    return np.frombuffer(_decompress(arr, size), dtype=np.uint8)
+
+
+def _decode(tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any], count: int
+            ) -> tuple[torch.Tensor | None, torch.Tensor, bool]:
+    _checked_meta(meta, count)
+    body = _body(tensors, meta, _body_size(meta, count))
+    first = int(meta["first"])
+    raw = meta["values"] == "raw"
+    if count == 0:
+        return (torch.empty(0, dtype=torch.int64),
+                torch.empty(0, dtype=torch.bfloat16 if raw else torch.int16), not raw)
+    if meta["layout"] == "span":
+        diff = body.view("<i2")
+        nz = np.flatnonzero(diff)
+        if nz.size != count:
+            raise FormatError(f"sparse-v3: the span holds {nz.size} changed elements, count is {count}")
+        changed = diff[nz]
+        if first:
+            nz += first
+        return torch.from_numpy(nz), torch.from_numpy(changed), True
+    n, hb = count, int(meta["high_bits"])
+    he, ve = int(meta["high_escapes"]), int(meta["value_escapes"])
+    pos = 0
+
+    def take(nbytes: int) -> np.ndarray:
+        nonlocal pos
+        part = body[pos : pos + nbytes]
+        pos += nbytes
+        return part
+
+    high_over = take(4 * he).view("<u4")
+    values16 = take(2 * n).view("<i2") if hb == 8 else None
+    value_over = take(2 * ve).view("<i2")
+    low, fields = take(n), take(n)
+    # gap = low | (high field << 8) as little-endian uint16 pairs, widened once
+    pair = np.empty((n, 2), np.uint8)
+    pair[:, 0] = low
+    np.bitwise_and(fields, (1 << hb) - 1, out=pair[:, 1])
+    gaps = pair.view("<u2").reshape(-1).astype(np.int64)
+    if he:  # sparse-v2's rule: escapes are counted where an overflow exists
+        where_h = np.flatnonzero(pair[:, 1] == (1 << hb) - 1)
+        if where_h.size != he:
+            raise FormatError(f"sparse-v3: {where_h.size} escaped high fields, meta says {he}")
+        gaps[where_h] += high_over.astype(np.int64) << 8
+    if values16 is not None:
+        values = values16.copy()
+    else:
+        values = np.take(_VALUE_LUT[hb], fields)
+        if ve:  # an escape field decodes to the one difference it also stands for
+            where_v = np.flatnonzero(values == _VALUE_LUT[hb][255])
+            if where_v.size != ve:
+                raise FormatError(f"sparse-v3: {where_v.size} escaped values, meta says {ve}")
+            values[where_v] = value_over
+    gaps[0] = first  # gap[0] is 0 by construction
+    indices = torch.from_numpy(gaps)
+    torch.cumsum(indices, 0, out=indices)  # ~4x faster than numpy's cumsum here
+    if raw:
+        return indices, torch.from_numpy(values).view(torch.bfloat16), False
+    return indices, torch.from_numpy(values), True
+
+
+__all__ = ["ZSTD_LEVEL", "SparseV3Codec"]
