@@ -164,3 +164,40 @@ def test_ep_declined_experts_are_ignored_but_unknown_names_still_fail(ep_world: 
         "model.layers.0.mlp.experts.3.gate_proj.weight")
     with pytest.raises(ApplyError, match="gate_projx"):
         ShardMap.from_model(live, bad)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("ep", [1, 2, 8])
+def test_expert_families_placed_by_stride_equal_probing_every_name(
+        ep_world: TPWorld, family: str, ep: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The probe places an expert family (experts 0..n-1 of one layer and projection) from
+    three probed members when their blocks step by a constant offset and the parameter holds
+    all n experts; the map is the same as probing every name. Under EP a rank's parameter
+    holds fewer experts: every name is probed."""
+    from vllm_deltasync.server.worker import _shardprobe
+
+    kind, params = _ep_model(ep_world, family)
+    outcomes: list[bool] = []
+    extrapolate = _shardprobe._extrapolate
+
+    def spy(*args: Any) -> bool:
+        outcomes.append(extrapolate(*args))
+        return outcomes[-1]
+
+    monkeypatch.setattr(_shardprobe, "_extrapolate", spy)
+    for rank in sorted({0, ep - 1}):
+        where = f"{family} EP={ep} rank={rank}"
+        live = ep_world.build(kind, ep, rank)
+        fast = ShardMap.from_model(live, params)
+        with monkeypatch.context() as m:
+            m.setattr(_shardprobe, "MIN_FAMILY", 10**9)
+            slow = ShardMap.from_model(live, params)
+        assert fast.ignored == slow.ignored, where
+        live.load_weights(iter(random_checkpoint(params, seed=rank).items()))  # loaders intact
+        for name in params:
+            got = [(t.param_name, t.block) for t in fast.targets(name)]
+            want = [(t.param_name, t.block) for t in slow.targets(name)]
+            assert got == want, (where, name)
+    # 2 layers x 3 projections: placed by stride only where every expert is on the rank
+    assert len(outcomes) == 6 * len({0, ep - 1}), outcomes
+    assert all(outcomes) if ep == 1 else not any(outcomes), outcomes

@@ -7,8 +7,9 @@ affine :class:`Block` and skips every write into the model.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -329,7 +330,10 @@ class _Declines:
 
     def __exit__(self, *exc: object) -> None:
         for p, own, inner in reversed(self.saved):
-            if own:
+            # vLLM's parameter classes keep the loader behind a property whose deleter
+            # *clears* it: set it back there (deleting would break every later load_weights,
+            # reload_weights included); delete only our instance attribute over a class one
+            if own or isinstance(getattr(type(p), "weight_loader", None), property):
                 p.weight_loader = inner  # type: ignore[attr-defined]
             else:
                 delattr(p, "weight_loader")
@@ -342,38 +346,107 @@ def probe_model(
     """Run the model's loader on meta probes: (placed blocks, unplaced reasons).
 
     First one ``load_weights`` call with every name (per-call overhead of the loaders, e.g.
-    their expert tables, is paid once: tens of thousands of expert tensors probe in seconds);
-    if anything in it fails, every name is probed alone, so the names that cannot be placed
-    are reported each with its own reason. A name whose only loader calls answered False
-    (:data:`DECLINED`) is unplaced with that reason; the caller decides what it means."""
+    their expert tables, is paid once); if anything in it fails, every name is probed alone,
+    so the names that cannot be placed are reported each with its own reason. A name whose
+    only loader calls answered False (:data:`DECLINED`) is unplaced with that reason; the
+    caller decides what it means.
+
+    Expert families (``...experts.<e>.<rest>`` for ``e`` = 0..n-1, tens of thousands of names
+    in real MoE checkpoints) are probed through three members: experts 0, 1 and n-1. When
+    their blocks differ only by a constant parameter offset per expert and the parameter holds
+    exactly the n experts (no expert parallelism), the others are placed by that stride (the
+    startup proof's check 1 then reads every one of them back); otherwise the whole family is
+    probed."""
     index = _ParamIndex(model)
     load_weights = getattr(model, "load_weights", None)
     if not callable(load_weights):
         raise ApplyError(f"{type(model).__name__} has no load_weights(); cannot derive a shard map")
     probes = {name: torch.empty(tuple(shape), dtype=_dtype(name, dtype), device="meta")
               for name, (shape, dtype) in checkpoint_params.items()}
+    families = expert_families(probes)
+    inferred = {name for family in families for _, name in family[2:-1]}
     with _Declines(model) as declines:
-        if len(probes) > 1:
-            batch = _probe_batch(load_weights, probes, index, declines)
-            if batch is not None:
-                return batch
-        placed: dict[str, list[tuple[str, Block]]] = {}
-        unplaced: dict[str, str] = {}
-        for name, probe in probes.items():
-            recorder = _Recorder({name: probe}, index)
-            declines.declined.clear()
-            try:
-                with torch.no_grad(), recorder:
-                    load_weights(iter([(name, probe)]))
-            except ApplyError:
-                raise
-            except Exception as exc:
-                unplaced[name] = f"the loader refused it ({type(exc).__name__}: {str(exc)[:160]})"
-                continue
-            finally:
-                index.restore(name)
-            _classify(name, recorder, [p for p, _ in declines.declined], placed, unplaced)
-        return placed, unplaced
+        placed, unplaced = _probe(load_weights, {n: p for n, p in probes.items()
+                                                 if n not in inferred}, index, declines)
+        numel = {n: p.numel() for n, p in model.named_parameters(remove_duplicate=False)}
+        rest = {name: probes[name] for family in families
+                if not _extrapolate(family, placed, numel) for _, name in family[2:-1]}
+        if rest:
+            more, refused = _probe(load_weights, rest, index, declines)
+            placed.update(more)
+            unplaced.update(refused)
+    return placed, unplaced
+
+
+_EXPERT = re.compile(r"^(.*\.experts\.)(\d+)(\..+)$")
+MIN_FAMILY = 4
+"""Smallest expert family placed by stride (three members are probed)."""
+
+
+def expert_families(names: Iterable[str]) -> list[list[tuple[int, str]]]:
+    """Names ``<prefix>experts.<e>.<rest>`` grouped by prefix and rest, sorted by ``e``; only
+    groups whose ``e`` run 0..n-1 with n >= :data:`MIN_FAMILY`."""
+    groups: dict[tuple[str, str], list[tuple[int, str]]] = {}
+    for name in names:
+        m = _EXPERT.match(name)
+        if m:
+            groups.setdefault((m.group(1), m.group(3)), []).append((int(m.group(2)), name))
+    out = []
+    for members in groups.values():
+        members.sort()
+        if len(members) >= MIN_FAMILY and [e for e, _ in members] == list(range(len(members))):
+            out.append(members)
+    return out
+
+
+def _extrapolate(family: list[tuple[int, str]], placed: dict[str, list[tuple[str, Block]]],
+                 numel: Mapping[str, int]) -> bool:
+    """Place the members between the probed ones (experts 0, 1 and n-1) by their constant
+    stride; False (nothing placed) unless the probed blocks say so exactly."""
+    n = len(family)
+    first, second, last = (placed.get(family[i][1]) for i in (0, 1, n - 1))
+    if not first or not second or not last or not len(first) == len(second) == len(last):
+        return False
+    stride = None
+    for (p0, b0), (p1, b1), (pl, bl) in zip(first, second, last, strict=True):
+        d = b1.dst_offset - b0.dst_offset
+        if (not p0 == p1 == pl or d <= 0 or (stride is not None and d != stride)
+                or replace(b1, dst_offset=b0.dst_offset) != b0
+                or replace(bl, dst_offset=b0.dst_offset) != b0
+                or bl.dst_offset != b0.dst_offset + (n - 1) * d
+                or numel.get(p0) != n * d):
+            return False
+        stride = d
+    assert stride is not None
+    for e, name in family[2:-1]:
+        placed[name] = [(p, replace(b, dst_offset=b.dst_offset + e * stride)) for p, b in first]
+    return True
+
+
+def _probe(load_weights: Any, probes: Mapping[str, torch.Tensor], index: _ParamIndex,
+           declines: _Declines) -> tuple[dict[str, list[tuple[str, Block]]], dict[str, str]]:
+    """One batched call for ``probes``; name by name if it failed."""
+    if len(probes) > 1:
+        batch = _probe_batch(load_weights, probes, index, declines)
+        if batch is not None:
+            return batch
+    placed: dict[str, list[tuple[str, Block]]] = {}
+    unplaced: dict[str, str] = {}
+    for name, probe in probes.items():
+        recorder = _Recorder({name: probe}, index)
+        declines.declined.clear()
+        try:
+            with torch.no_grad(), recorder:
+                load_weights(iter([(name, probe)]))
+        except ApplyError:
+            raise
+        except Exception as exc:
+            unplaced[name] = f"the loader refused it ({type(exc).__name__}: {str(exc)[:160]})"
+            continue
+        finally:
+            index.restore(name)
+        _classify(name, recorder, [p for p, _ in declines.declined], placed, unplaced)
+    return placed, unplaced
 
 
 def _probe_batch(load_weights: Any, probes: Mapping[str, torch.Tensor], index: _ParamIndex,
