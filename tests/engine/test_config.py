@@ -70,3 +70,22 @@ def test_store_options_reach_the_backend_and_never_show() -> None:
     assert "VLLM_DELTASYNC_STORE_OPTIONS" in str(info.value) and "s3cr3t" not in str(info.value)
     with pytest.raises(ConfigError, match="JSON object"):
         SyncConfig.from_sources({}, {"VLLM_DELTASYNC_URL": "s3://b", "VLLM_DELTASYNC_STORE_OPTIONS": "[1]"})
+
+
+def test_utility_calls_that_may_write_weights_tick_the_coordinator() -> None:
+    """After these client utility calls the engine core ticks before the next batch (a reload
+    behind our back is noticed before any request is served under the old step label)."""
+    from vllm_deltasync.server.extension import _may_write_weights
+
+    def call(method: str, *args: object) -> tuple[int, int, str, tuple[object, ...]]:
+        return (0, 1, method, args)
+
+    assert _may_write_weights(call("collective_rpc", "reload_weights", None, (), {}))
+    assert _may_write_weights(call("collective_rpc", "my_update", None, (), {}))
+    assert _may_write_weights(call("collective_rpc", b"<pickled function>", None, (), {}))
+    assert _may_write_weights(call("update_weight_version", "7"))
+    assert not _may_write_weights(call("collective_rpc", "deltasync_status", None, (), {}))
+    assert not _may_write_weights(call("get_weight_version"))
+    assert not _may_write_weights(call("deltasync_engine_status"))
+    assert not _may_write_weights(call("is_sleeping"))
+    assert not _may_write_weights("not a utility request")

@@ -11,6 +11,10 @@ checkpoint. Here:
   checkpoint, for prompts also served before the switch (prefix cache).
 * Qwen3-MoE at TP=2 (40 per rank -> padded to 64) and Mixtral at TP=1 follow 3 steps and
   then answer like a fresh engine on the final weights.
+* vLLM's ``reload_weights`` called on the Mixtral follower behind its back: the label is
+  withdrawn before any batch, the rebuilt map is proved again, and the follower resyncs
+  through the anchor to the newest step and answers like the fresh engine again. (vLLM's own
+  ``reload_weights`` fails on the padded CPU MoE layout, so not on the Qwen3-MoE runs.)
 * With the old checkpoint-layout path forced (``DELTASYNC_TEST_NO_LAYOUTS=1``), the startup
   proof refuses: no rank follows, the engine serves its checkpoint, ``/synced`` answers 503
   and ``deltasync_failing`` is 1 with the parameter named.
@@ -87,11 +91,16 @@ class Run:
     checkpoints: dict[int, Path] = field(default_factory=dict)
     proof: dict[str, Any] = field(default_factory=dict)
     weight_version: str | None = None
+    reload: dict[str, Any] = field(default_factory=dict)
+    """After vLLM's ``reload_weights`` behind the follower's back (Mixtral only: vLLM's own
+    reload fails on the padded CPU MoE layout, docs/layouts.md)."""
 
 
-def _follow(tmp_path: Path, model: str, tp: int) -> Run:
+def _follow(tmp_path: Path, model: str, tp: int, *, reload: bool = False) -> Run:
     """Build the model, publish step 0, start an engine with the extension, publish STEPS
-    trained steps, and record the engine's answers after each switch."""
+    trained steps, and record the engine's answers after each switch. ``reload``: then call
+    vLLM's ``reload_weights`` (the step-0 checkpoint on disk comes back in place) and record
+    what the engine says right after it and once it resynced."""
     model_dir = build_model(tmp_path / "model", seed=SEED + tp, **MODELS[model])
     trainer = Trainer(model_dir, lr=1e-4, seed=SEED + tp)
     run = Run(model, tp, f"file://{tmp_path}/bucket")
@@ -113,9 +122,23 @@ def _follow(tmp_path: Path, model: str, tp: int) -> Run:
                 assert all(s["last_error"] is None for s in statuses), statuses
                 run.outputs[step] = generate(llm, PROMPTS)
             run.weight_version = engine_status(llm)["weight_version"]
+            if reload:
+                _reload_behind_its_back(llm, run)
         finally:
             close_llm(llm)
     return run
+
+
+def _reload_behind_its_back(llm: Any, run: Run) -> None:
+    """vLLM's own in-place reload from the checkpoint on disk (step 0), as a user would call
+    it. The engine core handles the call between two batches and the coordinator ticks right
+    after it, before any batch, so the label read next is already withdrawn."""
+    llm.collective_rpc("reload_weights")
+    statuses = llm.collective_rpc("deltasync_status")
+    run.reload["right_after"] = {"status": engine_status(llm), "statuses": statuses}
+    statuses = wait_applied(llm, STEPS, timeout_s=120)
+    run.reload["resynced"] = {"status": engine_status(llm), "statuses": statuses}
+    run.reload["outputs"] = generate(llm, PROMPTS)
 
 
 def _check_proof(run: Run) -> None:
@@ -127,8 +150,10 @@ def _check_proof(run: Run) -> None:
     assert run.weight_version == str(STEPS)
 
 
-def _same(run: Run, step: int, want: list[dict[str, Any]], reference: str) -> None:
-    for i, (got, ref) in enumerate(zip(run.outputs[step], want, strict=True)):
+def _same(run: Run, step: int, want: list[dict[str, Any]], reference: str,
+          got_outputs: list[dict[str, Any]] | None = None) -> None:
+    outputs = run.outputs[step] if got_outputs is None else got_outputs
+    for i, (got, ref) in enumerate(zip(outputs, want, strict=True)):
         where = f"{run.model} TP={run.tp} step {step} prompt {i}"
         assert got["tokens"] == ref["tokens"], f"{where}: tokens differ from {reference}"
         assert got["prompt_logprobs"] == ref["prompt_logprobs"], (
@@ -141,7 +166,8 @@ def tp1_runs(tmp_path_factory: pytest.TempPathFactory,
     """Both TP=1 followers, then every reference in one fresh-engine process: per model, the
     run and the fresh engine's answers by step (every step for Qwen3-MoE, the last for
     Mixtral)."""
-    runs = {m: _follow(tmp_path_factory.mktemp(m), m, 1) for m in TP1_MODELS}
+    runs = {m: _follow(tmp_path_factory.mktemp(m), m, 1, reload=m == "mixtral")
+            for m in TP1_MODELS}
     wanted = [(m, s) for m in TP1_MODELS
               for s in (range(1, STEPS + 1) if m == "qwen3-moe-padded" else [STEPS])]
     answers = fresh_outputs(1, PROMPTS, [runs[m].checkpoints[s] for m, s in wanted])
@@ -239,3 +265,32 @@ def test_proof_refuses_checkpoint_layout_on_repacked_experts(tp2_refused: Refuse
     assert 'deltasync_failing{rank="0"} 1.0' in metrics
     assert 'deltasync_failing{rank="1"} 1.0' in metrics
     assert before == after  # still serving the checkpoint
+
+
+@requires_vllm
+@pytest.mark.engine
+def test_reload_weights_behind_its_back_resyncs_through_an_anchor(
+        tp1_runs: dict[str, Any]) -> None:
+    """``reload_weights`` on a following server (Mixtral, TP=1, repacked experts): the step
+    label is withdrawn before any batch, the rebuilt map (layouts learned again) is proved
+    again (check 2), and the server resyncs through the anchor (step 0, then the deltas) to
+    the newest step, then answers exactly like a fresh engine on that step's checkpoint."""
+    run, refs = tp1_runs["mixtral"]
+    right_after, resynced = run.reload["right_after"], run.reload["resynced"]
+    assert right_after["status"]["weight_version"] == "unknown", right_after["status"]
+    assert right_after["status"]["reloads"] == 1
+    for s in right_after["statuses"]:
+        assert s["reloads"] == 1 and s["refused"] is None and s["following"], s
+        assert s["proof"]["failures"] == [], s["proof"]
+        classes = s["proof"]["classes"].values()
+        assert any(c["write_check"] == "changed outputs" for c in classes), s["proof"]
+        assert all(c.get("values_check") == "not rerun after a reload" for c in classes)
+        assert any("period" in c["layout"] for c in classes), s["proof"]  # learned again
+    assert resynced["status"]["weight_version"] == str(STEPS)
+    for s in resynced["statuses"]:
+        assert s["applied_step"] == STEPS and s["last_error"] is None, s
+    switched = [sw["step"] for sw in resynced["status"]["switches"]]
+    assert switched[-1] == STEPS and switched.count(STEPS) == 2, switched
+    _same(run, STEPS, refs[STEPS],
+          "a fresh engine on the final checkpoint (after the reload and the resync)",
+          got_outputs=run.reload["outputs"])

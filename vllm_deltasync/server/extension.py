@@ -104,15 +104,18 @@ class DeltaSyncExtension:
         out["proof_classes"] = classes
         return out
 
-    def deltasync_prove(self, classes: list[str]) -> dict[str, Any]:
+    def deltasync_prove(self, classes: list[str], again: bool = False) -> dict[str, Any]:
         """Check 2 of the startup proof, a collective (``classes``: the union over ranks, in
         the same order everywhere). Answers the status, ``refused`` set when the proof failed
-        on this rank (one log line names the parameter and the reason)."""
+        on this rank (one log line names the parameter and the reason). ``again``: after a
+        reload behind our back, on the rebuilt map (``RankState.start_reproof``)."""
         from vllm_deltasync.server.worker.proof import ProofFailed
 
         state = self._deltasync_state()
         w: Any = self
         world = int(w.vllm_config.parallel_config.tensor_parallel_size)
+        if again:
+            state.start_reproof()
         state.prove_writes(list(classes), _probe_forward(w), world)
         try:
             state.finish_proof()
@@ -121,8 +124,8 @@ class DeltaSyncExtension:
             state.refuse(f"{type(exc).__name__}: {exc}")
         else:
             assert state.report is not None
-            logger.info("deltasync rank %d startup proof passed in %.2fs (%d classes; %s)",
-                        state.rank, state.report.seconds, len(state.report.classes),
+            logger.info("deltasync rank %d %s proof passed in %.2fs (%d classes; %s)",
+                        state.rank, "reload" if again else "startup", state.report.seconds, len(state.report.classes),
                         "; ".join(state.report.layouts) or "no learned layouts")
         return self.deltasync_status()
 
@@ -330,7 +333,7 @@ def _wrap_reload(worker: Any, state: RankState) -> None:
 
 def _after_reload(worker: Any, state: RankState) -> None:
     try:
-        if state.check_reload():
+        if state.check_reload(reloaded=True):
             logger.warning("deltasync rank %d: weights reloaded outside deltasync; layouts "
                            "learned again, shard map rebuilt, resyncing through the newest anchor",
                            state.rank)
@@ -416,6 +419,9 @@ def _patch_engine_core() -> None:
                 coord.tick()
             return
         handle(self, request_type, request)
+        if (coord is not None and request_type == EngineCoreRequestType.UTILITY
+                and _may_write_weights(request)):
+            coord.after_utility()
 
     def patched_engine_step(self: Any) -> bool:
         executed = engine_step(self)
@@ -441,6 +447,20 @@ def _patch_engine_core() -> None:
     EngineCore.shutdown = patched_shutdown  # type: ignore[method-assign]
     EngineCore.deltasync_engine_status = deltasync_engine_status  # type: ignore[attr-defined]
     EngineCoreProc._deltasync_patched = True  # type: ignore[attr-defined]
+
+
+def _may_write_weights(request: Any) -> bool:
+    """A client's utility call that may have written the weights: any ``collective_rpc`` but
+    ours (``reload_weights`` or a user's own worker method) and any utility with "weight" in
+    its name. Status reads (ours, vLLM's) do not qualify, so they cost no extra tick."""
+    try:
+        _, _, method_name, args = request
+    except (TypeError, ValueError):
+        return False
+    if method_name == "collective_rpc":
+        target = args[0] if args else None
+        return not (isinstance(target, str) and target.startswith("deltasync_"))
+    return "weight" in str(method_name) and "get_weight" not in str(method_name)
 
 
 def _start_coordinator(engine: Any) -> Any:

@@ -101,6 +101,11 @@ class Coordinator:
         self._failpoint = _Failpoint(os.environ.get(FAIL_SWITCH_ENV))
         self._switch_every = int(os.environ.get(SWITCH_EVERY_STEPS_ENV) or 0)
         self._model_steps = 0
+        self._reloads = 0
+        """Reloads behind our back the ranks have reported (``reloads`` in their status)."""
+        self._label: str | None = None
+        """The weight version this coordinator last set (a step), to tell it from a user's."""
+        self._proof_classes: list[str] = []
 
     @property
     def last_error(self) -> str | None:
@@ -121,6 +126,7 @@ class Coordinator:
             self.statuses = list(self.engine.collective_rpc("deltasync_start"))
             if not self._refused():
                 classes = sorted({c for s in self.statuses for c in s.get("proof_classes") or ()})
+                self._proof_classes = classes
                 self.statuses = list(self.engine.collective_rpc("deltasync_prove",
                                                                 args=(classes,)))
         except Exception as exc:  # noqa: BLE001 - the server keeps serving its checkpoint
@@ -217,9 +223,16 @@ class Coordinator:
             logger.error("deltasync tick failed (%d in a row; this error is logged once): %s\n%s",
                          self.failed_ticks, self.last_error, trace)
 
+    def after_utility(self) -> None:
+        """Busy-loop thread, right after a client's utility call that may have written the
+        weights (``collective_rpc("reload_weights")``, for example) and before the next batch:
+        a tick notices a reload before any request is served under the old label."""
+        self.tick()
+
     def _tick(self, *, may_switch: bool) -> None:
         self.statuses = list(self.engine.collective_rpc("deltasync_status"))
         self.metrics.update(self.statuses)
+        self._check_reloads()
         step = common_ready_step(self.statuses)
         if step is None:
             self._release_drain()
@@ -229,6 +242,33 @@ class Coordinator:
         if self.config.in_flight == "drain" and not self._drained():
             return
         self._switch(step)
+
+    def _check_reloads(self) -> None:
+        """A rank saw its weights written behind our back (vLLM's ``reload_weights``): it
+        forgot its applied step and resyncs through the newest anchor. Until that anchor's
+        switch the weights are whatever was loaded, so the step label is withdrawn
+        (``unknown``; a label the user set after the reload is left alone) and the prefix
+        cache, computed with the old weights, is dropped."""
+        reloads = sum(int(s.get("reloads") or 0) for s in self.statuses)
+        if reloads <= self._reloads:
+            return
+        self._reloads = reloads
+        if self.config.reset_prefix_cache:
+            self.engine.reset_prefix_cache(reset_running_requests=True)
+        label = self.engine.get_weight_version()
+        if self._label is not None and label == self._label:
+            self.engine.set_weight_version("unknown")
+            self._label = None
+        logger.warning("deltasync: the weights were reloaded outside deltasync (weight version "
+                       "was %s, now %s); proving the rebuilt map again, then resyncing through "
+                       "the newest anchor", label, self.engine.get_weight_version())
+        self.statuses = list(self.engine.collective_rpc(
+            "deltasync_prove", args=(self._proof_classes,), kwargs={"again": True}))
+        reason = self._refused()
+        if reason is not None:
+            self.last_error = f"after a reload: {reason}"
+            self._refuse(self.last_error)
+            self.active = False
 
     def _drained(self) -> bool:
         sched = self.engine.scheduler
@@ -268,6 +308,7 @@ class Coordinator:
             if self.config.reset_prefix_cache:
                 self.engine.reset_prefix_cache(reset_running_requests=True)
             self.engine.set_weight_version(str(step))
+            self._label = str(step)
         except Exception as exc:
             self._take_back(step, f"step {step}: the engine core failed the switch after the "
                                   f"ranks applied it: {type(exc).__name__}: {exc}")
@@ -338,6 +379,7 @@ class Coordinator:
         self.engine.reset_prefix_cache(reset_running_requests=True)
         self.engine.collective_rpc("deltasync_reset", args=(self.last_error,))
         self.engine.set_weight_version("inconsistent")
+        self._label = None
         self.engine.scheduler.set_pause_state(self._pause.PAUSED_ALL)
         self._held_after_failure = True
 
@@ -350,8 +392,9 @@ class Coordinator:
             "last_error": self.last_error,
             "failed_ticks": self.failed_ticks,
             "failing": self.failed_ticks >= FAILING_AFTER,
+            "reloads": self._reloads,
             "ranks": [{k: s.get(k) for k in ("rank", "applied_step", "staged_step",
-                                             "newest_step", "last_error")}
+                                             "newest_step", "last_error", "reloads")}
                       for s in self.statuses],
             "metrics_port": self.server.port if self.server is not None else None,
         }

@@ -27,6 +27,7 @@ the parameter and the reason). This module imports no vLLM; the forward is a cal
 
 from __future__ import annotations
 
+import math
 import re
 import time
 from collections.abc import Callable, Iterable
@@ -117,6 +118,16 @@ def check_values(shardmap: ShardMap, files: Iterable[Path], report: ProofReport)
                             f"{bad} of {want.numel()} elements of checkpoint tensor {name!r} "
                             "read through the shard map differ from the loaded checkpoint (the "
                             "kernel keeps this parameter in a layout the map does not follow)")
+
+
+def list_classes(shardmap: ShardMap, report: ProofReport, *, values_check: str) -> None:
+    """Enter every parameter class this rank holds in ``report`` without check 1 (after a
+    reload: ``values_check`` says why it was not run)."""
+    for name in shardmap.names:
+        for t in _targets(shardmap, name):
+            entry = report.classes.setdefault(param_class(t.param_name),
+                                              {**_entry(t), "values_check": values_check})
+            entry["elements"] += math.prod(t.block.sizes)
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -252,4 +263,4 @@ def prove(shardmap: ShardMap, files: Iterable[Path], forward: Forward | None, *,
 
 
 __all__ = ["SAMPLE", "Forward", "ProofFailed", "ProofReport", "check_values", "check_writes",
-           "class_names", "param_class", "prove"]
+           "class_names", "list_classes", "param_class", "prove"]

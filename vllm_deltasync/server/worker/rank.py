@@ -147,6 +147,18 @@ class RankState:
             check_writes(self.shardmap, forward, self.report, rank=self.rank, world=world,
                          classes=classes)
         self.report.seconds += time.perf_counter() - started
+        self.mark_written()  # the check wrote and put back: not a write behind our back
+
+    def start_reproof(self) -> None:
+        """After a reload behind our back (:meth:`check_reload`): a new report for check 2,
+        run again on the rebuilt map by the engine core (``deltasync_prove(again=True)``).
+        Check 1 is not repeated: it compares with the checkpoint on disk, and a reload may
+        have loaded other weights; the learned layouts were checked with coded values."""
+        from vllm_deltasync.server.worker.proof import ProofReport, list_classes
+
+        self.report = ProofReport(layouts=sorted({lay.describe()
+                                                  for lay in self.layouts.layouts.values()}))
+        list_classes(self.shardmap, self.report, values_check="not rerun after a reload")
 
     def finish_proof(self) -> None:
         """Raise the first failure of the proof (ProofFailed), if any."""
@@ -170,12 +182,14 @@ class RankState:
             self.following = True
 
     # ------------------------------------------------------------- reloads behind our back
-    def check_reload(self) -> bool:
-        """Main thread: True when the model's parameters changed without us (``reload_weights``
-        or any other write): the applied step is then unknown. The layouts are learned again,
-        the shard map rebuilt, and the rank resyncs through the newest anchor. (Check 1 of the
-        proof is not repeated: a reload may load other weights than the checkpoint on disk.)"""
-        if (_param_ids(self.model) == self.param_ids
+    def check_reload(self, *, reloaded: bool = False) -> bool:
+        """Main thread: True when the model's parameters changed without us: ``reloaded``
+        (vLLM's ``reload_weights`` ran: its loaders write through ``param.data``, which does
+        not move the parameters' version counters), parameters replaced, or in-place writes
+        that moved their version counters. The applied step is then unknown: the layouts are
+        learned again, the shard map rebuilt, and the rank resyncs through the newest anchor
+        (the engine core proves the rebuilt map again, :meth:`start_reproof`)."""
+        if (not reloaded and _param_ids(self.model) == self.param_ids
                 and _param_versions(self.model) == self.param_versions):
             return False
         self.reloads += 1
