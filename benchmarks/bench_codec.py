@@ -3,8 +3,12 @@
 The deltas are real: a Llama-shaped model (``examples/toymodel.py``) trained with AdamW on
 fp32 master weights, published as bf16 (mixed precision, as RL trainers do); the delta of one
 step is every element whose bf16 bit pattern changed between two consecutive steps. Every
-codec encodes the same deltas. Throughput is single-threaded CPU time (``time.thread_time``),
-i.e. per core, and is compared with a memcpy of the same number of encoded bytes.
+codec encodes the same deltas. Sizes are given twice: payload only (the encoded roles), and
+all bytes of the step (the step published by ``DeltaPublisher`` to a temporary ``file://``
+bucket: data files with their safetensors headers, plus the manifest). Throughput is
+single-threaded CPU time (``time.thread_time``), i.e. per core, and is compared with a memcpy
+of the same number of encoded bytes. A dense-fallback table checks synthetic steps at 10-100%
+density against the dense bf16 size.
 
     python -m benchmarks.bench_codec [--quick]
 """
@@ -13,9 +17,12 @@ from __future__ import annotations
 
 import argparse
 import functools
+import json
+import os
 import tempfile
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -23,8 +30,9 @@ import torch
 from vllm_deltasync.format.codec import Codec
 from vllm_deltasync.format.codecs import get_codec
 
-LRS = (1e-6, 3e-6, 1e-5)
-CODECS = ("sparse-v1", "sparse-v2", "sparse-v2-zstd")
+LRS = (1e-7, 1e-6, 3e-6, 1e-5)
+"""1e-7: ~0.1% of elements change per step; 1e-6: ~1%; 3e-6: ~3%; 1e-5: ~12%."""
+CODECS = ("sparse-v1", "sparse-v2", "sparse-v2-zstd", "sparse-v3")
 WARMUP_STEPS = 3
 
 
@@ -115,9 +123,30 @@ def _best_cpu_s(fn: Callable[[], object], repeat: int) -> float:
     return best
 
 
+def published_bytes(codec: str, delta: Delta) -> tuple[int, int, int]:
+    """(data file bytes, manifest bytes, changed elements) of ``delta`` published as one step.
+
+    The base is published first as an anchor to a temporary ``file://`` bucket, then the new
+    weights as a delta with ``codec``; the delta step's files and manifest are counted on disk.
+    """
+    from vllm_deltasync.trainer.publisher import DeltaPublisher
+
+    with tempfile.TemporaryDirectory() as tmp:
+        with DeltaPublisher(f"file://{tmp}", codec=codec, anchor_every=1000) as pub:
+            pub.publish(0, delta.old)
+            pub.publish(1, delta.new)
+        with open(os.path.join(tmp, "manifests", f"{1:012d}.json"), "rb") as f:
+            manifest = f.read()
+        doc = json.loads(manifest)
+        assert doc["kind"] == "delta"
+        data = sum(os.path.getsize(os.path.join(tmp, f["path"])) for f in doc["files"])
+        return data, len(manifest), int(doc["totals"]["changed"])
+
+
 def size_table(deltas: list[Delta]) -> tuple[str, dict[tuple[float, str], float]]:
-    rows = ["| lr | changed | " + " | ".join(f"{c} B/el | {c} step/full" for c in CODECS) + " |",
-            "|---|---|" + "---|---|" * len(CODECS)]
+    """Payload B/el, all-bytes B/el (files + headers + manifest) and step / full bf16, per codec."""
+    rows = ["| lr | changed | " + " | ".join(f"{c} B/el | {c} all B/el | {c} step/full" for c in CODECS) + " |",
+            "|---|---|" + "---|---|---|" * len(CODECS)]
     per_el: dict[tuple[float, str], float] = {}
     for delta in deltas:
         changed = delta.changed()
@@ -125,35 +154,101 @@ def size_table(deltas: list[Delta]) -> tuple[str, dict[tuple[float, str], float]
         cells = []
         for name in CODECS:
             nbytes = _nbytes(encode_all(get_codec(name), delta, changed)[0])
+            data, manifest, published = published_bytes(name, delta)
+            assert published == n, (published, n)
             per_el[(delta.lr, name)] = nbytes / max(n, 1)
-            cells.append(f"{nbytes / max(n, 1):.3f} | {nbytes / (2 * delta.numel):.5f}")
+            per_el[(delta.lr, name + " all")] = (data + manifest) / max(n, 1)
+            cells.append(f"{nbytes / max(n, 1):.3f} | {(data + manifest) / max(n, 1):.3f} | "
+                         f"{(data + manifest) / (2 * delta.numel):.5f}")
         rows.append(f"| {delta.lr:g} | {n:,} ({n / delta.numel:.2%}) | " + " | ".join(cells) + " |")
     return "\n".join(rows), per_el
 
 
-def throughput_table(delta: Delta, repeat: int = 3) -> str:
+def dense_fallback_table(delta: Delta, densities: tuple[float, ...] = (0.1, 0.5, 0.9, 1.0),
+                         max_params: int = 6_000_000) -> str:
+    """Synthetic steps at high density on the model's weights: encoded bytes / dense bf16 bytes.
+
+    ``small``: changed elements move by +-1..3 ulps (like real steps); ``random``: they take
+    arbitrary new bits. The rule for ``sparse-v3``: never more than dense + 1%.
+    """
+    gen = torch.Generator().manual_seed(0)
+    names, total = [], 0
+    for name, t in sorted(delta.old.items(), key=lambda kv: -kv[1].numel()):
+        if total + t.numel() <= max_params:
+            names.append(name)
+            total += t.numel()
+    rows = ["| density | values | " + " | ".join(f"{c} / dense" for c in CODECS) + " |",
+            "|---|---|" + "---|" * len(CODECS)]
+    for density in densities:
+        for kind in ("small", "random"):
+            sizes = dict.fromkeys(CODECS, 0)
+            for name in names:
+                old = delta.old[name].reshape(-1)
+                idx = torch.nonzero(torch.rand(old.numel(), generator=gen) < density).flatten()
+                ob = old[idx].view(torch.int16).to(torch.int32)
+                if kind == "small":
+                    step = torch.randint(1, 4, (idx.numel(),), generator=gen) * (
+                        torch.randint(0, 2, (idx.numel(),), generator=gen) * 2 - 1)
+                else:
+                    step = torch.randint(1, 1 << 16, (idx.numel(),), generator=gen)
+                new = ((ob + step) & 0xFFFF).to(torch.int16).view(torch.bfloat16)
+                for c in CODECS:
+                    roles, _ = get_codec(c).encode(idx, new, old[idx])
+                    sizes[c] += sum(t.numel() * t.element_size() for t in roles.values())
+            rows.append(f"| {density:.0%} | {kind} | " + " | ".join(f"{sizes[c] / (2 * total):.4f}" for c in CODECS) + " |")
+    return (f"Tensors: the largest of the model up to {total / 1e6:.1f}M parameters; dense = 2 bytes per "
+            "element of those tensors (payload bytes).\n\n" + "\n".join(rows))
+
+
+def throughput_table(delta: Delta, repeat: int = 7) -> str:
     """Encode/decode GB/s of encoded bytes per core, and the same bytes through memcpy."""
     changed = delta.changed()
     n = sum(i.numel() for i in changed.values())
-    rows = ["| codec | B/el | encode GB/s | decode GB/s | memcpy GB/s | decode ns/el | decode / memcpy "
-            "| decode GB/s, largest tensor |", "|---|---|---|---|---|---|---|---|"]
+    rows = ["| codec | B/el | encode GB/s | encode ns/el | decode GB/s | memcpy GB/s | decode ns/el | "
+            "decode M el/s | decode / memcpy | decode ns/el, largest tensor | decode wall s, 1 / 2 threads |",
+            "|---|---|---|---|---|---|---|---|---|---|---|"]
     big = max(range(len(changed)), key=lambda k: list(changed.values())[k].numel())
+    big_n = list(changed.values())[big].numel()
+    encoded = {name: encode_all(get_codec(name), delta, changed) for name in CODECS}
+    # decode timings interleaved (every codec once per round, best round kept), so that a busy
+    # moment of a shared machine does not land on one codec only
+    times = {name: [float("inf")] * len(changed) for name in CODECS}
+    for _ in range(repeat):
+        for name in CODECS:
+            codec = get_codec(name)
+            for k, (r, m, c) in enumerate(encoded[name][0]):
+                t = time.thread_time()
+                codec.decode(r, m, c)
+                times[name][k] = min(times[name][k], time.thread_time() - t)
     for name in CODECS:
         codec = get_codec(name)
-        encoded, enc_s = encode_all(codec, delta, changed)
-        nbytes = _nbytes(encoded)
-        times = [_best_cpu_s(functools.partial(codec.decode, r, m, c), repeat) for r, m, c in encoded]
-        dec_s = sum(times)
+        chunks, enc_s = encoded[name]
+        nbytes = _nbytes(chunks)
+        dec_s = sum(times[name])
         src = torch.empty(nbytes, dtype=torch.uint8).random_(0, 255)
         dst = torch.empty_like(src)
         cpy_s = _best_cpu_s(functools.partial(dst.copy_, src), repeat * 3)
-        big_gbs = _nbytes(encoded[big:big + 1]) / times[big] / 1e9
-        rows.append(f"| {name} | {nbytes / n:.3f} | {nbytes / enc_s / 1e9:.3f} | {nbytes / dec_s / 1e9:.3f} | "
-                    f"{nbytes / cpy_s / 1e9:.2f} | {dec_s / n * 1e9:.2f} | {cpy_s / dec_s:.3f} | {big_gbs:.3f} |")
+        walls = [_parallel_decode_s(codec, chunks, threads, repeat) for threads in (1, 2)]
+        rows.append(f"| {name} | {nbytes / n:.3f} | {nbytes / enc_s / 1e9:.3f} | {enc_s / n * 1e9:.1f} | "
+                    f"{nbytes / dec_s / 1e9:.3f} | {nbytes / cpy_s / 1e9:.2f} | {dec_s / n * 1e9:.2f} | "
+                    f"{n / dec_s / 1e6:.0f} | {cpy_s / dec_s:.3f} | {times[name][big] / big_n * 1e9:.2f} | "
+                    f"{walls[0]:.3f} / {walls[1]:.3f} |")
     biggest = list(changed)[big]
-    rows.append(f"\nLargest tensor: `{biggest}`, {changed[biggest].numel():,} changed elements. The first "
-                "columns sum every tensor's decode, so they include the per-call overhead of small tensors.")
+    rows.append(f"\nLargest tensor: `{biggest}`, {big_n:,} changed elements. The first "
+                "columns sum every tensor's decode, so they include the per-call overhead of small tensors. "
+                "Last column: wall time to decode every tensor once, tensors spread over a thread pool "
+                "(decoders release the GIL in numpy, torch and zstd), best of the repeats.")
     return "\n".join(rows)
+
+
+def _parallel_decode_s(codec: Codec, encoded: list, threads: int, repeat: int) -> float:
+    best = float("inf")
+    with ThreadPoolExecutor(threads) as pool:
+        for _ in range(repeat):
+            t = time.perf_counter()
+            list(pool.map(lambda e: codec.decode(*e), encoded))
+            best = min(best, time.perf_counter() - t)
+    return best
 
 
 def run(quick: bool = False) -> str:
@@ -164,13 +259,19 @@ def run(quick: bool = False) -> str:
     model_params = deltas[0].numel
     sizes, _ = size_table(deltas)
     thr = throughput_table(deltas[LRS.index(3e-6)])
+    thr1 = throughput_table(deltas[LRS.index(1e-6)])
+    dense = dense_fallback_table(deltas[0], max_params=1_000_000 if quick else 6_000_000)
     gpu = gpu_apply_section(quick)
     return (
         f"### Codec size (one AdamW step, fp32 master -> bf16, {model_params / 1e6:.1f}M-parameter "
         f"Llama-shaped model, {WARMUP_STEPS} warm-up steps)\n\n"
-        "B/el: encoded bytes per changed element; step/full: encoded bytes of the step / the full "
-        "bf16 checkpoint (payload bytes, safetensors headers and manifest excluded).\n\n"
-        f"{sizes}\n\n### Codec throughput (lr 3e-6 delta, one core, CPU time)\n\n{thr}\n\n{gpu}\n\n"
+        "B/el: encoded payload bytes per changed element; all B/el: every byte of the published "
+        "step per changed element (data files with their safetensors headers, plus the manifest; "
+        "`DeltaPublisher` to a temporary file:// bucket); step/full: all bytes of the step / the "
+        "full bf16 checkpoint.\n\n"
+        f"{sizes}\n\n### Dense fallback (synthetic steps at high density)\n\n{dense}\n\n"
+        f"### Codec throughput (lr 3e-6 delta, one core, CPU time)\n\n{thr}\n\n"
+        f"### Codec throughput (lr 1e-6 delta, ~1% changed, one core, CPU time)\n\n{thr1}\n\n{gpu}\n\n"
         f"_codec benchmark: {time.perf_counter() - t0:.0f} s_\n"
     )
 

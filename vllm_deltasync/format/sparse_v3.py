@@ -80,26 +80,26 @@ def _choose_high_bits(high: np.ndarray, codes: np.ndarray | None) -> int:
     Estimate: zstd's Huffman stage codes bytes, at least 1 bit each, so a field byte costs
     ``max(entropy of the field bytes, 1)`` bits (+2% for tables); a high escape ~3 bytes, a value
     escape ~1.5 (their overflow compresses). Small chunks (not worth compressing) are sized raw.
+    One joint histogram of (min(h, 255), min(c, 255)) serves every candidate.
     """
     n = high.size
     small = n < _SMALL
     hclip = np.minimum(high, 255)
-    costs: dict[int, float] = {}
-    h8 = np.bincount(hclip, minlength=256)
-    costs[8] = (n if small else n * (max(_entropy_bits(h8), 1.0) + 0.02) / 8 + 1.9 * n) + \
-        (4 if small else 3) * int(h8[255:].sum())
     if codes is None:
         return 8
-    cclip = np.minimum(codes, 255).astype(np.int64)
+    joint = np.bincount(hclip * 256 + np.minimum(codes, 255), minlength=65536).reshape(256, 256)
+    h8 = joint.sum(axis=1)
+    costs: dict[int, float] = {8: (3.0 * n if small else n * (max(_entropy_bits(h8), 1.0) + 0.02) / 8 + 1.9 * n)
+                               + 4 * int(h8[255])}
     for hb in range(1, 8):
         hm, vm = (1 << hb) - 1, (1 << (8 - hb)) - 1
-        hf, vf = np.minimum(hclip, hm), np.minimum(cclip, vm)
-        he, ve = int(np.count_nonzero(hf == hm)), int(np.count_nonzero(vf == vm))
+        rows = np.concatenate([joint[:hm], joint[hm:].sum(axis=0, keepdims=True)])
+        fields = np.concatenate([rows[:, :vm], rows[:, vm:].sum(axis=1, keepdims=True)], axis=1)
+        he, ve = int(rows[hm].sum()), int(fields[:, vm].sum())
         if small:
             costs[hb] = n + 4 * he + 2 * ve
         else:
-            hist = np.bincount(hf | (vf << hb), minlength=256)
-            costs[hb] = n * (max(_entropy_bits(hist), 1.0) + 0.02) / 8 + 3 * he + 1.5 * ve
+            costs[hb] = n * (max(_entropy_bits(fields.reshape(-1)), 1.0) + 0.02) / 8 + 3 * he + 1.5 * ve
     return min(costs, key=lambda hb: (costs[hb], hb))
 
 
@@ -336,6 +336,22 @@ def _body(tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any], size: in
     return np.frombuffer(_decompress(arr, size), dtype=np.uint8)
 
 
+def _value_fields(fields: np.ndarray, hb: int) -> np.ndarray:
+    """int16 differences of the value fields (the top ``8 - hb`` bits of each field byte).
+
+    ``d = unzigzag(c + 1)`` in uint8/int8 arithmetic (``c + 1 <= 128``, ``|d| <= 64``), then
+    widened once: ~2.5x faster than a table lookup (numpy's take widens the indices first).
+    """
+    zz = fields >> np.uint8(hb)
+    zz += np.uint8(1)
+    sign = (zz & np.uint8(1)).view(np.int8)
+    np.negative(sign, out=sign)
+    zz >>= np.uint8(1)
+    d = zz.view(np.int8)
+    d ^= sign
+    return d.astype(np.int16)
+
+
 def _decode(tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any], count: int
             ) -> tuple[torch.Tensor | None, torch.Tensor, bool]:
     _checked_meta(meta, count)
@@ -368,22 +384,22 @@ def _decode(tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any], count:
     values16 = take(2 * n).view("<i2") if hb == 8 else None
     value_over = take(2 * ve).view("<i2")
     low, fields = take(n), take(n)
-    # gap = low | (high field << 8) as little-endian uint16 pairs, widened once
-    pair = np.empty((n, 2), np.uint8)
-    pair[:, 0] = low
-    np.bitwise_and(fields, (1 << hb) - 1, out=pair[:, 1])
-    gaps = pair.view("<u2").reshape(-1).astype(np.int64)
+    mask = (1 << hb) - 1
+    g16 = np.bitwise_and(fields, np.uint8(mask)).astype(np.uint16)  # gap = low | field << 8,
+    g16 <<= 8                                                          # built in uint16, then
+    g16 |= low                                                         # widened once
+    gaps = g16.astype(np.int64)
     if he:  # sparse-v2's rule: escapes are counted where an overflow exists
-        where_h = np.flatnonzero(pair[:, 1] == (1 << hb) - 1)
+        where_h = np.flatnonzero(np.bitwise_and(fields, np.uint8(mask)) == mask)
         if where_h.size != he:
             raise FormatError(f"sparse-v3: {where_h.size} escaped high fields, meta says {he}")
         gaps[where_h] += high_over.astype(np.int64) << 8
     if values16 is not None:
         values = values16.copy()
     else:
-        values = np.take(_VALUE_LUT[hb], fields)
-        if ve:  # an escape field decodes to the one difference it also stands for
-            where_v = np.flatnonzero(values == _VALUE_LUT[hb][255])
+        values = _value_fields(fields, hb)
+        if ve:  # escape value fields are the top ones: c field = 2**(8 - hb) - 1
+            where_v = np.flatnonzero(fields >= np.uint8(((1 << (8 - hb)) - 1) << hb))
             if where_v.size != ve:
                 raise FormatError(f"sparse-v3: {where_v.size} escaped values, meta says {ve}")
             values[where_v] = value_over
