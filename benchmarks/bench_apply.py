@@ -164,16 +164,20 @@ def run(quick: bool = False) -> str:
         "## apply: delta pause vs full reload_weights (same engine, TP=1)",
         "",
         "| model | params | changed | delta in bucket | pause (switch) | scatter | full reload "
-        "| reload / pause | peak extra host RSS: delta | : reload | reload kept addresses "
+        "| reload / pause | peak extra host RSS: delta | : reload | staged bytes per changed "
+        "element | peak extra RSS per changed element | reload kept addresses "
         "| digests after reload |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
+        changed = max(r["changed"], 1)
         lines.append(
             f"| {r['name']} | {r['params'] / 1e6:.1f}M | {r['changed'] / r['params']:.2%} "
             f"| {_mb(r['delta_bytes'])} | {r['pause_s'] * 1e3:.2f} ms | {r['apply_s'] * 1e3:.2f} ms "
             f"| {r['reload_s'] * 1e3:.1f} ms | {r['reload_s'] / r['pause_s']:.1f}x "
-            f"| {_mb(r['delta_peak'])} | {_mb(r['reload_peak'])} | {r['reload_same_addresses']} "
+            f"| {_mb(r['delta_peak'])} | {_mb(r['reload_peak'])} "
+            f"| {r['staged_bytes'] / changed:.2f} B | {r['delta_peak'] / changed:.2f} B "
+            f"| {r['reload_same_addresses']} "
             f"| {'equal' if not r['differ'] else 'differ: ' + ', '.join(r['differ'][:4])} |"
         )
     lines += [
@@ -182,7 +186,9 @@ def run(quick: bool = False) -> str:
         "`deltasync_apply`, in-place scatter, reply); scatter: the rank's own write time. "
         "Reload: vLLM's `reload_weights` from tensors already in memory. Peak extra host RSS: "
         "the worker's VmHWM growth while it downloads, stages and applies the delta, and while "
-        "it reloads. CPU build: the no-prepack path (docs/extension.md).",
+        "it reloads; per changed element: that growth over the delta's changed elements. Staged "
+        "bytes: what the staged step's pieces hold (the `deltasync_staged_bytes` gauge). CPU "
+        "build: the no-prepack path (docs/extension.md).",
     ]
     return "\n".join(lines) + "\n"
 
