@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 BENCHMARKS = {
-    "codec": "bytes per changed element and per step (v1, v2), encode/decode vs memcpy, GPU apply",
+    "codec": "bytes per changed element and per step (v1, v2, v3; payload and all bytes), dense fallback, encode/decode vs memcpy, GPU apply",
     "publisher": "publish() and upload cost per training step, bytes per step",
     "apply": "engine pause per delta vs full reload_weights; peak extra host memory vs delta size",
     "download": "download throughput vs plain parallel GET",

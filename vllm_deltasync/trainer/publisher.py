@@ -99,7 +99,7 @@ class DeltaPublisher:
         anchor_every: int = 10,
         keep_anchors: int = 2,
         max_file_bytes: int = 256 << 20,
-        codec: str = "sparse-v2",
+        codec: str = "sparse-v3",
         max_pending_steps: int = 2,
         store_options: Mapping[str, Any] | None = None,
         on_commit: Callable[[Manifest], None] | None = None,
@@ -114,9 +114,11 @@ class DeltaPublisher:
             anchor_every: every ``anchor_every``-th publish is an anchor (every parameter).
             keep_anchors: retention keeps the newest ``keep_anchors`` anchors and what follows.
             max_file_bytes: data files are split to stay about this size.
-            codec: delta encoding: ``sparse-v2`` (gap-coded positions + exact bf16 bit-pattern
-                differences, ~1.6 B per changed element), ``sparse-v2-zstd``, or ``sparse-v1``
-                (TRL's int32 index + bf16 value layout, 6 B); docs/codec.md.
+            codec: delta encoding: ``sparse-v3`` (default since 0.3.0: entropy-coded gaps and
+                exact bf16 bit-pattern differences, ~1.1-1.3 B per changed element; its
+                manifests need readers >= 0.3.0), ``sparse-v2`` (~1.6 B, read by 0.2.x),
+                ``sparse-v2-zstd``, or ``sparse-v1`` (TRL's int32 index + bf16 value layout,
+                6 B); docs/codec.md.
             max_pending_steps: steps queued for upload before ``publish`` waits.
             store_options: passed to the store backend.
             on_commit: called on the upload thread with each committed manifest.
