@@ -347,3 +347,34 @@ def test_publisher_round_trip_and_requires(tmp_path, monkeypatch) -> None:  # ty
 def test_custom_level_reads_back() -> None:
     old, new = _step(20_000, 0.01, "small")
     _roundtrip(old, new, SparseV3Codec(level=3))
+
+
+@pytest.mark.parametrize("compression", ["none", "zstd"])
+def test_random_corruption_is_a_format_error_or_a_well_formed_result(compression: str) -> None:
+    """Flipped bytes and random meta values: a FormatError, or ``count`` well-typed elements."""
+    import random
+
+    rng = random.Random(compression)
+    old, new = _step(3000 if compression == "none" else 200_000, 0.02, "mixed", seed=9)
+    idx = torch.nonzero(old.view(torch.int16) != new.view(torch.int16)).flatten()
+    roles, meta = V3.encode(idx, new[idx], old[idx])
+    if compression == "none":  # tiny chunks are stored raw; force one
+        roles, meta = V3.encode(idx[:40], new[idx[:40]], old[idx[:40]])
+        idx = idx[:40]
+    assert meta["compression"] == compression
+    count = idx.numel()
+    values = [0, 1, 2, 7, 8, 9, -1, 2**31, 2**40, None, "x", [1], 1.5, True]
+    for _ in range(300):
+        data = roles["data"].clone()
+        m = dict(meta)
+        for _ in range(rng.randint(1, 3)):
+            if rng.random() < 0.6 and data.numel():
+                data[rng.randrange(data.numel())] = rng.randrange(256)
+            else:
+                m[rng.choice(sorted(m))] = rng.choice(values)
+        try:
+            indices, vals, _ = V3.decode({"data": data}, m, count)
+        except FormatError:
+            continue
+        assert indices is not None and indices.dtype == torch.int64
+        assert indices.numel() == vals.numel() == count
