@@ -378,3 +378,17 @@ def test_random_corruption_is_a_format_error_or_a_well_formed_result(compression
             continue
         assert indices is not None and indices.dtype == torch.int64
         assert indices.numel() == vals.numel() == count
+
+
+def test_publisher_default_codec_follows_the_format_version(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """v2 (default): sparse-v3. Format v1 is for readers older than 0.2.0: sparse-v2 by default,
+    and sparse-v3 (read from 0.3.0 only) is refused."""
+    from vllm_deltasync.errors import ConfigError
+    from vllm_deltasync.trainer.publisher import DeltaPublisher
+
+    with DeltaPublisher(f"file://{tmp_path}/a") as pub:
+        assert pub.codec == "sparse-v3"
+    with DeltaPublisher(f"file://{tmp_path}/b", format_version=1) as pub:
+        assert pub.codec == "sparse-v2"
+    with pytest.raises(ConfigError, match="format_version=1"):
+        DeltaPublisher(f"file://{tmp_path}/c", format_version=1, codec="sparse-v3")

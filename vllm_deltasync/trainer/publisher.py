@@ -99,7 +99,7 @@ class DeltaPublisher:
         anchor_every: int = 10,
         keep_anchors: int = 2,
         max_file_bytes: int = 256 << 20,
-        codec: str = "sparse-v3",
+        codec: str | None = None,
         max_pending_steps: int = 2,
         store_options: Mapping[str, Any] | None = None,
         on_commit: Callable[[Manifest], None] | None = None,
@@ -114,11 +114,11 @@ class DeltaPublisher:
             anchor_every: every ``anchor_every``-th publish is an anchor (every parameter).
             keep_anchors: retention keeps the newest ``keep_anchors`` anchors and what follows.
             max_file_bytes: data files are split to stay about this size.
-            codec: delta encoding: ``sparse-v3`` (default since 0.3.0: entropy-coded gaps and
-                exact bf16 bit-pattern differences, ~1.1-1.3 B per changed element; its
-                manifests need readers >= 0.3.0), ``sparse-v2`` (~1.6 B, read by 0.2.x),
-                ``sparse-v2-zstd``, or ``sparse-v1`` (TRL's int32 index + bf16 value layout,
-                6 B); docs/codec.md.
+            codec: delta encoding: ``sparse-v3`` (the default since 0.3.0: entropy-coded
+                gaps and exact bf16 bit-pattern differences, ~1.1-1.3 B per changed element;
+                its manifests need readers >= 0.3.0), ``sparse-v2`` (~1.6 B, read by 0.2.x;
+                the default with ``format_version=1``), ``sparse-v2-zstd``, or ``sparse-v1``
+                (TRL's int32 index + bf16 value layout, 6 B); docs/codec.md.
             max_pending_steps: steps queued for upload before ``publish`` waits.
             store_options: passed to the store backend.
             on_commit: called on the upload thread with each committed manifest.
@@ -135,14 +135,20 @@ class DeltaPublisher:
                 no writer token, no ranged reads).
         """
         _check_options(anchor_every, keep_anchors, max_file_bytes, max_pending_steps)
-        try:
-            dense = get_codec(codec).dense
-        except FormatError as exc:
-            raise ConfigError(f"DeltaPublisher: {exc}") from exc
-        if dense:
-            raise ConfigError(f"codec {codec!r} is dense; deltas need a sparse codec such as 'sparse-v1'")
         if format_version not in (1, 2):
             raise ConfigError(f"DeltaPublisher: format_version={format_version!r} must be 1 or 2")
+        if codec is None:  # format v1 is for old readers: a codec they read
+            codec = "sparse-v3" if format_version >= 2 else "sparse-v2"
+        try:
+            chosen = get_codec(codec)
+        except FormatError as exc:
+            raise ConfigError(f"DeltaPublisher: {exc}") from exc
+        if chosen.dense:
+            raise ConfigError(f"codec {codec!r} is dense; deltas need a sparse codec such as 'sparse-v1'")
+        if format_version == 1 and chosen.min_reader:
+            raise ConfigError(f"DeltaPublisher: codec {codec!r} is read from vllm-deltasync "
+                              f"{chosen.min_reader}, which reads format version 2; format_version=1 "
+                              "(for older readers) needs 'sparse-v2', 'sparse-v2-zstd' or 'sparse-v1'")
         for label, token in (("run_id", run_id), ("writer_token", writer_token)):
             if token is not None and not re.fullmatch(r"[0-9a-f]{8,64}", token):
                 raise ConfigError(f"DeltaPublisher: {label}={token!r} must be 8-64 lowercase hex digits")
