@@ -65,10 +65,10 @@ def compact(pieces: Iterable[Piece], *, limit: int = INDEX_SPAN) -> list[Piece]:
         if not piece.relative and values.dtype != param.dtype:
             values = values.to(param.dtype)
         if indices is None:
-            values = _own(values.contiguous())
+            values = _own(values.contiguous(), param)
             out.append(Piece(param, None, values, dense=piece.dense, relative=piece.relative))
             continue
-        values = _own(values.reshape(-1))
+        values = _own(values.reshape(-1), param)
         if indices.dtype == torch.int32 and piece.span is not None:
             out.append(_replace(piece, indices, values))
             continue
@@ -76,8 +76,11 @@ def compact(pieces: Iterable[Piece], *, limit: int = INDEX_SPAN) -> list[Piece]:
     return out
 
 
-def _own(values: torch.Tensor) -> torch.Tensor:
-    """``values`` alone in its storage (a copy when it is a view of a larger tensor)."""
+def _own(values: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """``values`` alone in its storage (a copy when it is a view of a larger tensor), unless
+    they move to the parameter's device next, which copies only their own elements anyway."""
+    if values.device != param.device:
+        return values
     if values.untyped_storage().nbytes() > values.numel() * values.element_size():
         return values.clone()
     return values

@@ -209,11 +209,11 @@ class RankState:
 
     def stage_patch(self, patch: TensorPatch) -> list[Piece]:
         """Poller thread, per patch as it is decoded: translate to this rank's shards and stage
-        on the host (int32 indices, 16-bit values: ``apply.compact``), so a step's int64 decode
-        output lives one patch at a time, never for the whole step."""
-        from vllm_deltasync.server.worker.apply import compact
+        (int32 indices, 16-bit values: ``apply.prepare``) on the parameters' device, so a step's
+        int64 decode output lives one patch at a time, never for the whole step."""
+        from vllm_deltasync.server.worker.apply import prepare
 
-        return compact(self.shardmap.translate(patch))
+        return prepare(self.shardmap.translate(patch))
 
     def prepare(self, manifest: Manifest, patches: list[Any]) -> tuple[list[Piece], int]:
         """Poller thread: translate to this rank's shards (unless :meth:`stage_patch` did, per
