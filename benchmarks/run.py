@@ -30,6 +30,7 @@ BENCHMARKS = {
     "apply": "engine pause per delta vs full reload_weights; peak extra host memory vs delta size",
     "download": "download throughput vs plain parallel GET",
     "moe": "per-expert cost: shard map build with learned CPU MoE layouts, one step's apply, layout memory",
+    "scale": "1T MoE scale model: one EP rank's real expert share over hf://, requests, bytes, publish/download/decode/apply, extrapolated per node and fleet",
 }
 DEFAULT_OUT = Path(__file__).with_name("RESULTS.md")
 

@@ -1,0 +1,508 @@
+"""Scale model of a 1T-parameter MoE deployment: one EP rank's real share, published over hf://.
+
+One rank of a DeepSeek-V3-shaped MoE (hidden 7168, 256 routed experts of intermediate 2048 plus
+one shared expert, expert parallelism EP=32, so 8 routed experts per rank per layer) holds, per
+MoE layer, 8 routed experts x (``gate_proj``, ``up_proj`` [2048, 7168], ``down_proj`` [7168,
+2048]) in bf16 (~0.70 GB) plus the shared expert. **Shared expert: replicated** (every rank
+holds the whole shared expert of every layer, as with DP attention + EP, where shared experts
+are not split), so each rank downloads its delta too (the conservative choice for bytes:
+TP-splitting it would cut that part 8x). Two layers are measured with checkpoint names
+(``model.layers.{L}.mlp.experts.{E}.gate_proj.weight``, ``...shared_experts.up_proj.weight``).
+
+The trainer publishes an anchor, then delta steps with :class:`DeltaPublisher` to the local Hub
+bucket server (``tests/stores/hubserver.py``, run in its own process, loopback, no bandwidth
+limit; it counts the requests). Each delta step changes 1% of every tensor's elements at
+uniformly random positions; the bf16 bit-pattern difference (int16, new - old) has
+|d| = 1 (70%), 2 (20%), 3 (4%), 4 (4%), 5..16 uniform (2%), sign +/- at random.
+
+Measured per rank (= per node here) for a delta step: Hub requests (at the server), bytes
+fetched, publish seconds, download seconds, verify + decode seconds with 1 and 2 threads
+(torch intra-op threads 1; the thread pool decodes independent chunks), apply seconds (in-place
+``TensorPatch.apply_to`` scatter into a bf16 copy of the base, one thread), bit-exactness
+against the trainer's new tensors (asserted), and peak staging memory (growth of VmHWM over
+VmRSS after resetting VmHWM through ``/proc/self/clear_refs``, over the real reader path that
+holds every decoded patch of the step). Then extrapolated, and labelled so, to 58 MoE layers
+(DeepSeek-V3: 61 layers, the first 3 dense), to a node of 8 GPUs and to a fleet of replicas.
+
+Memory: tensors are generated one at a time; the reader's base copy is rebuilt per tensor from
+the new tensor and the known ground-truth differences, so peak RSS stays ~3 copies of the share.
+
+    .venv/bin/python -m benchmarks.bench_scale [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import numpy as np
+import torch
+
+from vllm_deltasync.errors import FormatError
+from vllm_deltasync.format.codec import TensorPatch
+from vllm_deltasync.format.codecs import get_codec
+from vllm_deltasync.format.reader import BucketReader
+from vllm_deltasync.stores import open_store
+from vllm_deltasync.trainer.publisher import DeltaPublisher
+
+HUBSERVER = Path(__file__).resolve().parents[1] / "tests" / "stores" / "hubserver.py"
+BUCKET = "bench/scale"
+HIDDEN, INTER = 7168, 2048
+ROUTED, EP = 256, 32
+DENSITY = 0.01
+# |d| distribution of the bf16 bit-pattern differences (measured RL steps: mostly 1-2 ulps)
+MAGNITUDES = [1, 2, 3, 4, *range(5, 17)]
+PROBS = [0.70, 0.20, 0.04, 0.04, *([0.02 / 12] * 12)]
+
+# extrapolation assumptions
+MOE_LAYERS = {"DeepSeek-V3 (671B)": (58, 256), "1T (Kimi-K2 shape)": (60, 384)}
+"""name -> (MoE layers, routed experts); hidden 7168, expert intermediate 2048, 1 shared."""
+GPUS_PER_NODE = 8
+REPLICAS = 32
+LINK_GBPS = 100.0
+"""Assumed per-node front-end (storage/Internet) link, Gb/s, shared by the node's 8 ranks."""
+DECODE_CORES = 16
+"""Assumed host cores per node given to verify + decode (2 per GPU)."""
+
+_SERVER = r"""
+import importlib.util, json, sys
+spec = importlib.util.spec_from_file_location("deltasync_scale_hubserver", sys.argv[1])
+mod = importlib.util.module_from_spec(spec); sys.modules[spec.name] = mod; spec.loader.exec_module(mod)
+with mod.HubServer() as hub:
+    print(json.dumps({"endpoint": hub.endpoint, "token": hub.token}), flush=True)
+    for line in sys.stdin:
+        cmd, _, arg = line.strip().partition(" ")
+        counts = {}  # what was served since the last reset, reported before the command
+        for r in hub.requests():
+            counts[r["kind"]] = counts.get(r["kind"], 0) + 1
+        print(json.dumps({"counts": counts, "cdn_bytes": hub.cdn_bytes_served}), flush=True)
+        if cmd == "create":
+            hub.create_bucket(arg)
+        elif cmd == "reset":
+            hub.log.clear(); hub.cdn_bytes_served = 0
+        elif cmd == "drop":
+            hub.buckets[arg] = {}; hub.blobs.clear()
+"""
+
+
+class Server:
+    """The local Hub bucket server in a subprocess (off this process's GIL and RSS)."""
+
+    def __init__(self) -> None:
+        self.proc = subprocess.Popen([sys.executable, "-c", _SERVER, str(HUBSERVER)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        assert self.proc.stdout is not None
+        info = json.loads(self.proc.stdout.readline())
+        self.endpoint, self.token = info["endpoint"], info["token"]
+
+    def command(self, line: str) -> dict[str, Any]:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(line + "\n")
+        self.proc.stdin.flush()
+        result: dict[str, Any] = json.loads(self.proc.stdout.readline())
+        return result
+
+    def close(self) -> None:
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()
+        self.proc.wait(30)
+
+    def options(self, bucket: str) -> dict[str, Any]:
+        endpoint, token = self.endpoint, self.token
+
+        async def upload(items: list[tuple[str, bytes]]) -> None:  # stand-in for the Xet upload
+            async with aiohttp.ClientSession() as session:
+                for path, data in items:
+                    url = f"{endpoint}/_test/upload/{bucket}/{path}"
+                    async with session.put(url, data=data,
+                                           headers={"Authorization": f"Bearer {token}"}) as r:
+                        r.raise_for_status()
+
+        return {"endpoint": endpoint, "token": token, "environ": {}, "uploader": upload}
+
+
+# -- the rank's share --------------------------------------------------------------------------
+
+
+def shapes(layers: int, experts: int) -> dict[str, tuple[int, int]]:
+    """Checkpoint names and shapes of one rank's share: routed experts (rank 0 holds experts
+    0..experts-1) and the replicated shared expert, per layer (layer numbers of MoE layers)."""
+    out: dict[str, tuple[int, int]] = {}
+    for layer in range(3, 3 + layers):  # DeepSeek-V3: layers 0-2 are dense
+        prefix = f"model.layers.{layer}.mlp"
+        for owner in [f"experts.{e}" for e in range(experts)] + ["shared_experts"]:
+            out[f"{prefix}.{owner}.gate_proj.weight"] = (INTER, HIDDEN)
+            out[f"{prefix}.{owner}.up_proj.weight"] = (INTER, HIDDEN)
+            out[f"{prefix}.{owner}.down_proj.weight"] = (HIDDEN, INTER)
+    return out
+
+
+def make_tensors(names: dict[str, tuple[int, int]], seed: int = 0) -> dict[str, torch.Tensor]:
+    """bf16 weights (std 0.02), generated one tensor at a time."""
+    gen = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, shape in names.items():
+        out[name] = (torch.randn(shape, generator=gen) * 0.02).to(torch.bfloat16)
+    return out
+
+
+def step_tensors(tensors: dict[str, torch.Tensor], seed: int) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """One training step in place: 1% of each tensor's elements move by a few ulps.
+    Returns the ground truth per tensor: (sorted flat positions, int16 differences)."""
+    rng = np.random.default_rng(seed)
+    truth = {}
+    for name, t in tensors.items():
+        n = t.numel()
+        k = round(n * DENSITY)
+        idx = np.unique(rng.integers(0, n, int(k * 1.01) + 64))
+        if idx.size > k:
+            idx = np.sort(rng.choice(idx, k, replace=False))
+        mag = rng.choice(np.array(MAGNITUDES, dtype=np.int16), idx.size, p=PROBS)
+        sign = rng.integers(0, 2, idx.size, dtype=np.int16) * 2 - 1
+        d = (mag * sign).astype(np.int16)
+        bits = t.view(torch.int16).numpy().reshape(-1)
+        bits[idx] += d  # int16 arithmetic wraps like the codec's mod 2**16
+        truth[name] = (idx, d)
+    return truth
+
+
+# -- memory ------------------------------------------------------------------------------------
+
+
+def _status(key: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(key + ":"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+_PEAK = [0]
+"""The highest VmHWM seen before a reset (the benchmark's own peak RSS)."""
+
+
+def reset_peak() -> bool:
+    _PEAK[0] = max(_PEAK[0], _status("VmHWM"))
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+        return True
+    except OSError:
+        return False
+
+
+# -- reader side -------------------------------------------------------------------------------
+
+
+async def _real_path(server: Server, bucket: str, url: str, base: int, step: int) -> dict[str, Any]:
+    """What a rollout server does: plan from its applied step, iter_patches (download, verify,
+    decode), holding every patch of the step until it is applied."""
+    reader = BucketReader(open_store(url, **server.options(bucket)))
+    try:
+        t0 = time.perf_counter()
+        chain = await reader.plan(base, step)
+        assert [m.step for m in chain] == [step], [m.step for m in chain]
+        patches = [p async for p in reader.iter_patches(chain[0])]
+        return {"manifest": chain[0], "patches": patches, "seconds": time.perf_counter() - t0}
+    finally:
+        await reader.close()
+
+
+async def _download(server: Server, bucket: str, url: str, step: int) -> tuple[Any, dict[str, bytes], float]:
+    """Download only: the manifest and every data file of ``step``, 8 at a time."""
+    reader = BucketReader(open_store(url, **server.options(bucket)))
+    try:
+        t0 = time.perf_counter()
+        m = await reader.manifest(step)
+        slots = asyncio.Semaphore(8)
+
+        async def one(path: str) -> tuple[str, bytes]:
+            async with slots:
+                return path, await reader.store.read(path)
+
+        files = dict(await asyncio.gather(*(one(f.path) for f in m.files)))
+        return m, files, time.perf_counter() - t0
+    finally:
+        await reader.close()
+
+
+def verify_decode(m: Any, files: dict[str, bytes], threads: int) -> tuple[list[TensorPatch], float]:
+    """Verify (file sha256, then each chunk's sha256) and decode every chunk of ``m`` from the
+    downloaded bytes with the reader's own code, on a pool of ``threads`` threads."""
+    reader = BucketReader(store=None)  # type: ignore[arg-type]  # only its decode path is used
+    views = {path: memoryview(data) for path, data in files.items()}
+
+    def check(entry: Any) -> None:
+        if hashlib.sha256(files[entry.path]).hexdigest() != entry.sha256:
+            raise AssertionError(f"{entry.path}: sha256 mismatch")
+
+    def decode(entry: Any, chunk: Any) -> TensorPatch:
+        view = views[m.files[chunk.file].path]
+        return reader._chunk_patch(m, entry, chunk, lambda o, n: view[o : o + n])
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(threads) as pool:
+        checks = [pool.submit(check, f) for f in m.files]
+        futures = [pool.submit(decode, e, c) for e in m.tensors for c in e.chunks]
+        for f in checks:
+            f.result()
+        patches = [f.result() for f in futures]
+    return patches, time.perf_counter() - t0
+
+
+def apply_and_check(tensors: dict[str, torch.Tensor], truth: dict[str, tuple[np.ndarray, np.ndarray]],
+                    patches: list[TensorPatch]) -> tuple[float, int]:
+    """Apply the step's patches in place into a bf16 copy of each base tensor (rebuilt from the
+    new tensor and the ground truth) and assert the result equals the trainer's new tensor."""
+    by_name: dict[str, list[TensorPatch]] = {}
+    for p in patches:
+        by_name.setdefault(p.name, []).append(p)
+    assert set(by_name) == set(tensors), "a tensor got no patch"
+    seconds, changed = 0.0, 0
+    for name, new in tensors.items():
+        base = new.detach().clone().view(-1)
+        idx, d = truth[name]
+        bits = base.view(torch.int16).numpy()
+        bits[idx] -= d  # the rollout server's copy of the previous step
+        t0 = time.perf_counter()
+        for p in by_name[name]:
+            p.apply_to(base)
+        seconds += time.perf_counter() - t0
+        changed += sum(int(p.values.numel()) for p in by_name[name])
+        if not torch.equal(base.view(torch.int16), new.view(-1).view(torch.int16)):
+            raise AssertionError(f"{name}: not bit-exact after apply")
+        del base
+    return seconds, changed
+
+
+# -- one codec ---------------------------------------------------------------------------------
+
+
+def measure_codec(server: Server, codec: str, tensors: dict[str, torch.Tensor], deltas: int,
+                  seed: int) -> list[dict[str, Any]]:
+    bucket = f"{BUCKET}-{codec}"
+    server.command(f"create {bucket}")
+    url = f"hf://buckets/{bucket}/run"
+    rows = []
+    threads = torch.get_num_threads()
+    with DeltaPublisher(url, codec=codec, anchor_every=1000, store_options=server.options(bucket)) as pub:
+        t0 = time.perf_counter()
+        pub.publish(0, tensors)
+        pub.flush()
+        anchor_s = time.perf_counter() - t0
+        anchor_bytes = pub.stats.bytes_written
+        for k in range(1, deltas + 1):
+            truth = step_tensors(tensors, seed + k)
+            gc.collect()
+            t0 = time.perf_counter()
+            pub.publish(k, tensors)
+            pub.flush()
+            publish_s = time.perf_counter() - t0
+            _, diff_s, upload_s = pub.stats.per_step[-1]
+            manifest = pub.stats.last_manifest
+            assert manifest is not None and manifest.step == k
+
+            server.command("reset")
+            gc.collect()
+            rss0 = _status("VmRSS")
+            peak_ok = reset_peak()
+            real = asyncio.run(_real_path(server, bucket, url, k - 1, k))
+            staged_peak = _status("VmHWM") - rss0 if peak_ok else -1
+            seen = server.command("reset")
+            real_patches = real.pop("patches")
+            staged_values = sum(p.values.numel() * p.values.element_size() + (
+                0 if p.indices is None else p.indices.numel() * p.indices.element_size())
+                for p in real_patches)
+            del real_patches
+            gc.collect()
+
+            m, files, download_s = asyncio.run(_download(server, bucket, url, k))
+            fetched = server.command("reset")
+            decoded = {}
+            torch.set_num_threads(1)  # per core: parallelism comes from the pool only
+            try:
+                patches, decoded[1] = verify_decode(m, files, 1)
+                decoded[2] = verify_decode(m, files, 2)[1]
+                apply_s, changed = apply_and_check(tensors, truth, patches)
+            finally:
+                torch.set_num_threads(threads)
+            del patches, files, truth
+            gc.collect()
+            rows.append({
+                "codec": codec, "step": k, "anchor_s": anchor_s, "anchor_bytes": anchor_bytes,
+                "changed": changed, "elements": sum(t.numel() for t in tensors.values()),
+                "publish_s": publish_s, "diff_s": diff_s, "upload_s": upload_s,
+                "step_bytes": manifest.totals.bytes, "data_files": len(manifest.files),
+                "requests": seen["counts"], "fetched": seen["cdn_bytes"],
+                "real_s": real["seconds"], "download_s": download_s,
+                "download_requests": fetched["counts"], "download_bytes": fetched["cdn_bytes"],
+                "decode1_s": decoded[1], "decode2_s": decoded[2], "apply_s": apply_s,
+                "staged_peak": staged_peak, "staged_values": staged_values,
+            })
+    server.command(f"drop {bucket}")
+    return rows
+
+
+def measure(quick: bool) -> dict[str, Any]:
+    layers, experts = (1, 2) if quick else (2, ROUTED // EP)
+    codecs = ["sparse-v3", "sparse-v2"]  # sparse-v3: DeltaPublisher's default
+    try:
+        get_codec("sparse-v3")
+    except FormatError:
+        codecs = ["sparse-v2"]
+    if quick:  # the smoke test: the default codec only
+        codecs = codecs[:1]
+    t0 = time.perf_counter()
+    tensors = make_tensors(shapes(layers, experts))
+    gen_s = time.perf_counter() - t0
+    server = Server()
+    rows: list[dict[str, Any]] = []
+    try:
+        for i, codec in enumerate(codecs):
+            rows += measure_codec(server, codec, tensors, deltas=(1 if quick or i else 2), seed=100 * i)
+    finally:
+        server.close()
+    share = sum(t.numel() * t.element_size() for t in tensors.values())
+    return {"layers": layers, "experts": experts, "share_bytes": share, "tensors": len(tensors),
+            "rows": rows, "gen_s": gen_s, "peak_rss": max(_PEAK[0], _status("VmHWM")), "load": os.getloadavg()[0], "codecs": codecs}
+
+
+# -- report ------------------------------------------------------------------------------------
+
+
+def _gb(n: float) -> str:
+    return f"{n / 1e9:.2f} GB" if n >= 1e8 else f"{n / 1e6:.1f} MB"
+
+
+def _req(counts: dict[str, int]) -> str:
+    return f"{sum(counts.values())} ({', '.join(f'{k} {v}' for k, v in sorted(counts.items()))})"
+
+
+def render(r: dict[str, Any]) -> str:
+    layers, experts = r["layers"], r["experts"]
+    lines = [
+        f"### Scale model: one EP rank of a DeepSeek-V3-shaped MoE ({layers} MoE layer(s) x "
+        f"({experts} routed + 1 shared expert), hidden {HIDDEN}, expert intermediate {INTER}; "
+        f"EP={EP} => {ROUTED // EP} routed experts per rank per layer in the full model)",
+        "",
+        f"Share measured: {r['tensors']} tensors, {_gb(r['share_bytes'])} bf16 (shared expert "
+        f"replicated on every rank). Steps: 1% of each tensor's elements, random positions, "
+        f"|d| = 1 ulp 70%, 2: 20%, 3: 4%, 4: 4%, 5-16: 2%. Transport: hf:// against the local Hub "
+        f"bucket server on loopback (own process, no bandwidth limit). Publish: DeltaPublisher "
+        f"(anchor, then delta), flush included. Verify+decode: the reader's per-chunk sha256 + "
+        f"decode from downloaded bytes, torch threads 1, a pool of 1 or 2 threads over chunks. "
+        f"Apply: `TensorPatch.apply_to` (int16 add at the indices) into a bf16 copy of the "
+        f"base, one thread; **bit-exact vs the trainer's new tensors: asserted for every tensor**. "
+        f"Staging memory: VmHWM growth over VmRSS after `clear_refs` 5, during the real reader "
+        f"path (plan + `iter_patches`, all patches held; pages the allocator reuses are not counted, "
+        f"so it can read below the decoded size in parentheses). Machine: {os.cpu_count()} cores shared "
+        f"(load {r['load']:.1f} at the end): wall times are upper bounds.",
+        "",
+        "| codec | step | changed elements | step bytes (B/el) | Hub requests (plan + iter_patches) "
+        "| bytes fetched | publish s (diff + encode/upload) | real path s (plan + download + verify "
+        "+ decode) | download s | verify+decode s, 1 thread | 2 threads (speed-up) | apply s | "
+        "peak staging RSS (decoded patches) |",
+        "|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for x in r["rows"]:
+        lines.append(
+            f"| {x['codec']} | {x['step']} | {x['changed']:,} | {_gb(x['step_bytes'])} "
+            f"({x['step_bytes'] / x['changed']:.2f}) | {_req(x['requests'])} | {_gb(x['fetched'])} | "
+            f"{x['publish_s']:.2f} ({x['diff_s']:.2f} + {x['upload_s']:.2f}) | {x['real_s']:.2f} | "
+            f"{x['download_s']:.2f} | {x['decode1_s']:.2f} | {x['decode2_s']:.2f} "
+            f"({x['decode1_s'] / x['decode2_s']:.2f}x) | {x['apply_s']:.2f} | "
+            f"{_gb(x['staged_peak'])} ({_gb(x['staged_values'])}) |")
+    first = r["rows"][0]
+    lines += [
+        "",
+        f"Anchor ({first['codec']}): {_gb(first['anchor_bytes'])} in {first['anchor_s']:.1f} s. "
+        f"Tensor generation {r['gen_s']:.1f} s. "
+        + (f"Peak RSS of the benchmark: {r['peak_rss'] / 2**30:.2f} GiB." if r["peak_rss"] else ""),
+        "",
+        extrapolate(r),
+    ]
+    return "\n".join(lines)
+
+
+def extrapolate(r: dict[str, Any]) -> str:
+    layers, experts = r["layers"], r["experts"]
+    units = layers * (experts + 1)
+    rows = [x for x in r["rows"] if x["codec"] == r["codecs"][0]]
+    x = rows[-1]  # the last delta step of the default codec
+    per_unit = {k: x[k] / units for k in ("fetched", "publish_s", "decode1_s", "decode2_s",
+                                          "apply_s", "changed", "staged_peak")}
+    fixed_req = 2  # the manifest (resolve + CDN GET) per step whatever its size; discovery
+    # (StepWatcher listing/events) is not counted here (bench_download: request budget)
+    data_req = max(0, sum(x["requests"].values()) - fixed_req)
+    lines = [
+        f"#### Extrapolation (not measured: scaled linearly from the {layers} measured layer(s), "
+        f"last {x['codec']} delta step)",
+        "",
+        f"Assumptions: cost is linear in expert-layers (routed + replicated shared expert); a node "
+        f"= {GPUS_PER_NODE} GPUs = {GPUS_PER_NODE} EP ranks, each downloading and decoding its own "
+        f"share (no node-level sharing, so the shared expert's delta is fetched 8x per node); node "
+        f"front-end link {LINK_GBPS:.0f} Gb/s shared by its ranks; {DECODE_CORES} host cores per "
+        f"node for verify+decode at the measured 1-thread rate per core (the 2-thread column shows "
+        f"the scaling); the trainer publishes with one rank per EP share in parallel (publish s "
+        f"scaled per rank, measured on loopback) plus the node's upload at the same link; apply "
+        f"is the measured CPU scatter per rank (on GPU it is far faster), ranks in parallel; no "
+        f"overlap between stages (upper bound); fleet = {REPLICAS} replicas of EP={EP} "
+        f"({EP // GPUS_PER_NODE} nodes each); bucket/CDN egress assumed not to be the bottleneck. "
+        f"Requests: {fixed_req} fixed per rank per step (the manifest; discovery not included), the {data_req} data-file requests scaled "
+        f"with bytes (upper bound: real buckets hold every rank's share in 256 MB files and each "
+        f"rank range-reads its own chunks). Not included: attention, embeddings, dense layers "
+        f"(~14.5B parameters, ~2% of DeepSeek-V3).",
+        "",
+        "| model | routed experts / rank / layer | MoE layers | per rank: fetched | per node: "
+        "fetched | publish s (incl. trainer node upload at link) | download s at link | verify+decode s | apply s | publish -> "
+        "applied s | Hub requests / step: rank / fleet | fleet bytes / step |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    headline = ""
+    for model, (moe_layers, routed) in MOE_LAYERS.items():
+        per_rank_experts = routed // EP
+        u = moe_layers * (per_rank_experts + 1)
+        rank_bytes = per_unit["fetched"] * u
+        node_bytes = rank_bytes * GPUS_PER_NODE
+        link_s = node_bytes * 8 / (LINK_GBPS * 1e9)
+        publish_s = per_unit["publish_s"] * u + link_s
+        decode_s = per_unit["decode1_s"] * u * GPUS_PER_NODE / DECODE_CORES
+        apply_s = per_unit["apply_s"] * u
+        total = publish_s + link_s + decode_s + apply_s
+        req_rank = fixed_req + data_req * u / units
+        fleet_nodes = REPLICAS * EP // GPUS_PER_NODE
+        lines.append(
+            f"| {model} | {per_rank_experts} (+1 shared) | {moe_layers} | {_gb(rank_bytes)} | "
+            f"{_gb(node_bytes)} | {publish_s:.1f} | {link_s:.1f} | {decode_s:.1f} | {apply_s:.1f} | "
+            f"{total:.1f} | {req_rank:.0f} / {req_rank * REPLICAS * EP:,.0f} | "
+            f"{_gb(node_bytes * fleet_nodes)} ({fleet_nodes} nodes) |")
+        if model.startswith("1T"):
+            headline = (f"**1T MoE, 1% changed, EP={EP}: {node_bytes / 1e9:.2f} GB fetched per node "
+                        f"per step, {total:.0f} s publish -> applied at {LINK_GBPS:.0f} Gb/s "
+                        f"(extrapolated from {layers} measured layer(s) of one rank; "
+                        f"{x['codec']}, {x['fetched'] / x['changed']:.2f} B per changed element).**")
+    lines += ["", headline]
+    return "\n".join(lines)
+
+
+def run(quick: bool = False) -> str:
+    return render(measure(quick))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="1 layer, 2 routed experts")
+    print(run(parser.parse_args().quick))
+
+
+if __name__ == "__main__":
+    main()
