@@ -75,3 +75,17 @@ def test_dense_absolute_pieces_make_the_undo_incomplete() -> None:
     assert not undo.complete and bool((param == 1).all())
     with pytest.raises(ApplyError, match="cannot be taken back"):
         undo.revert()
+
+
+def test_relative_pieces_wrap_modulo_2_16_and_are_taken_back() -> None:
+    """Relative differences are bit-pattern arithmetic mod 2**16 (docs/codec.md): 0x7FFF + 1
+    is 0x8000, -0x8000 - 1 is 0x7FFF; the undo subtracts them back exactly."""
+    bits = torch.tensor([0x7FFF, -0x8000, 0, 5, -1, 123], dtype=torch.int16)
+    param = torch.nn.Parameter(bits.clone().view(torch.bfloat16), requires_grad=False)
+    diff = torch.tensor([1, -1, 3], dtype=torch.int16)
+    undo = Undo()
+    apply_patches([Piece(param, torch.tensor([0, 1, 4]), diff, relative=True)], undo)
+    got = param.data.view(torch.int16).tolist()
+    assert got == [-0x8000, 0x7FFF, 0, 5, 2, 123], got
+    undo.revert()
+    assert torch.equal(param.data.view(torch.int16), bits)

@@ -331,8 +331,12 @@ def _write(flat: torch.Tensor, piece: Piece) -> None:
     values = values.reshape(-1)
     if values.dtype != flat.dtype:
         values = values.to(flat.dtype)
+    add_in_place = piece.relative and flat.device.type == "cpu"
     for a, idx in _index_blocks(piece):
         vals = values[a : a + idx.numel()]
+        if add_in_place:  # one pass (int16 adds wrap: bit-pattern arithmetic mod 2**16)
+            flat.index_add_(0, idx, vals)
+            continue
         if piece.relative:
             vals = flat.index_select(0, idx).add_(vals)
         flat.index_copy_(0, idx, vals)
