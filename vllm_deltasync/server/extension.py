@@ -33,6 +33,9 @@ prepare a step (download, verify, decode, translate, move to device) before repo
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import functools
 import logging
 import os
 from collections.abc import Iterable
@@ -398,19 +401,25 @@ def _active_config_is_ours() -> bool:
 
 def _patch_engine_core() -> None:
     from vllm.v1.engine import EngineCoreRequestType
-    from vllm.v1.engine.core import EngineCore, EngineCoreProc
+    from vllm.v1.engine.core import DPEngineCoreProc, EngineCore, EngineCoreProc
 
     if getattr(EngineCoreProc, "_deltasync_patched", False):
         return
     run_busy_loop = EngineCoreProc.run_busy_loop
+    dp_run_busy_loop = DPEngineCoreProc.run_busy_loop
     handle = EngineCoreProc._handle_client_request
     engine_step = EngineCoreProc._process_engine_step
     shutdown = EngineCore.shutdown
 
     def patched_run_busy_loop(self: Any) -> Any:
-        if extension_configured(self.vllm_config) and getattr(self, "_deltasync_coord", None) is None:
-            self._deltasync_coord = _start_coordinator(self)
+        _ensure_coordinator(self)
         return run_busy_loop(self)
+
+    def patched_dp_run_busy_loop(self: Any) -> Any:
+        # MoE with data parallel (dense DP ranks run a plain EngineCoreProc each): the
+        # coordinator starts only to refuse visibly (_unsupported_layout).
+        _ensure_coordinator(self)
+        return dp_run_busy_loop(self)
 
     def patched_handle(self: Any, request_type: Any, request: Any) -> None:
         coord = getattr(self, "_deltasync_coord", None)
@@ -434,6 +443,10 @@ def _patch_engine_core() -> None:
         coord = getattr(self, "_deltasync_coord", None)
         if coord is not None:
             coord.close()
+            if getattr(self, "_deltasync_in_process", False):
+                # the workers' pollers are threads of the caller's process: stop them too
+                with contextlib.suppress(Exception):
+                    self.collective_rpc("deltasync_stop", args=("the engine core shut down",))
         shutdown(self)
 
     def deltasync_engine_status(self: Any) -> dict[str, Any]:
@@ -441,12 +454,61 @@ def _patch_engine_core() -> None:
         return coord.engine_status() if coord is not None else {"active": False}
 
     patched_run_busy_loop.__wrapped__ = run_busy_loop  # type: ignore[attr-defined]
+    patched_dp_run_busy_loop.__wrapped__ = dp_run_busy_loop  # type: ignore[attr-defined]
     EngineCoreProc.run_busy_loop = patched_run_busy_loop  # type: ignore[method-assign]
+    DPEngineCoreProc.run_busy_loop = patched_dp_run_busy_loop  # type: ignore[method-assign]
     EngineCoreProc._handle_client_request = patched_handle  # type: ignore[method-assign]
     EngineCoreProc._process_engine_step = patched_engine_step  # type: ignore[method-assign]
     EngineCore.shutdown = patched_shutdown  # type: ignore[method-assign]
     EngineCore.deltasync_engine_status = deltasync_engine_status  # type: ignore[attr-defined]
+    _patch_inproc_client()
     EngineCoreProc._deltasync_patched = True  # type: ignore[attr-defined]
+
+
+def _ensure_coordinator(engine: Any, *, in_process: bool = False) -> None:
+    if extension_configured(engine.vllm_config) and getattr(engine, "_deltasync_coord", None) is None:
+        engine._deltasync_in_process = in_process
+        engine._deltasync_coord = _start_coordinator(engine, in_process=in_process)
+
+
+def _patch_inproc_client() -> None:
+    """``VLLM_ENABLE_V1_MULTIPROCESSING=0``: the client (``InprocClient``) builds an
+    ``EngineCore`` in the caller's process and steps it itself; there is no busy loop, no input
+    queue and so no wake-up timer. The coordinator starts once the engine core is built, and
+    ticks on the caller's thread: before each step and before each ``collective_rpc`` of the
+    caller, at most once per ``poll_interval_s``, and right after a ``collective_rpc`` that may
+    have written the weights. An idle in-process engine therefore switches at its next call."""
+    from vllm.v1.engine.core_client import InprocClient
+
+    init = InprocClient.__init__
+    get_output = InprocClient.get_output
+    rpc = InprocClient.collective_rpc
+
+    @functools.wraps(init)
+    def patched_init(self: Any, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        _ensure_coordinator(self.engine_core, in_process=True)
+
+    @functools.wraps(get_output)
+    def patched_get_output(self: Any) -> Any:
+        coord = getattr(self.engine_core, "_deltasync_coord", None)
+        if coord is not None:
+            coord.tick_if_due()
+        return get_output(self)
+
+    @functools.wraps(rpc)
+    def patched_rpc(self: Any, method: Any, *args: Any, **kwargs: Any) -> Any:
+        coord = getattr(self.engine_core, "_deltasync_coord", None)
+        if coord is not None:
+            coord.tick_if_due()
+        out = rpc(self, method, *args, **kwargs)
+        if coord is not None and not (isinstance(method, str) and method.startswith("deltasync_")):
+            coord.after_utility()
+        return out
+
+    InprocClient.__init__ = patched_init  # type: ignore[method-assign]
+    InprocClient.get_output = patched_get_output  # type: ignore[method-assign]
+    InprocClient.collective_rpc = patched_rpc  # type: ignore[method-assign]
 
 
 def _may_write_weights(request: Any) -> bool:
@@ -463,7 +525,36 @@ def _may_write_weights(request: Any) -> bool:
     return "weight" in str(method_name) and "get_weight" not in str(method_name)
 
 
-def _start_coordinator(engine: Any) -> Any:
+def _unsupported_layout(vllm_config: Any) -> str | None:
+    """Why this engine layout cannot follow a bucket safely, or None.
+
+    A MoE model with data parallel size > 1 runs one engine core per DP rank, and vLLM shards
+    its experts (and their all-to-all / all-reduce) across DP x TP: every forward of one engine
+    computes with the other engines' experts. The engines switch independently (each between
+    its own batches), so a forward could mix expert weights of two steps. Refused until a
+    cross-engine barrier exists. Dense models at DP > 1 are independent engines and follow."""
+    parallel = getattr(vllm_config, "parallel_config", None)
+    model = getattr(vllm_config, "model_config", None)
+    dp = int(getattr(parallel, "data_parallel_size", 1) or 1)
+    if dp > 1 and bool(getattr(model, "is_moe", False)):
+        return (f"a MoE model with data parallel size {dp} (--data-parallel-size) is not "
+                "supported: vLLM shards its experts across the engines of all DP ranks, which "
+                "would switch independently and run forwards mixing expert weights of two "
+                "steps. Serve it with --data-parallel-size 1 (tensor parallel instead), or as "
+                "separate servers")
+    return None
+
+
+def _engine_config(config: SyncConfig, vllm_config: Any) -> SyncConfig:
+    """The settings of this engine core: under data parallel every engine core serves its own
+    metrics endpoint, on ``metrics_port + data-parallel rank`` (rank 0 on ``metrics_port``)."""
+    index = int(getattr(vllm_config.parallel_config, "data_parallel_index", 0) or 0)
+    if not config.metrics_port or not index:
+        return config
+    return dataclasses.replace(config, metrics_port=config.metrics_port + index)
+
+
+def _start_coordinator(engine: Any, *, in_process: bool = False) -> Any:
     from vllm.v1.core.sched.interface import PauseState
     from vllm.v1.engine import EngineCoreRequestType
 
@@ -474,12 +565,13 @@ def _start_coordinator(engine: Any) -> Any:
             logger.warning("deltasync: %s; the engine serves its checkpoint only", exc)
             return None
         raise
+    config = _engine_config(config, engine.vllm_config)
 
     def wake() -> None:
         engine.input_queue.put_nowait((EngineCoreRequestType.WAKEUP, _TICK))
 
-    coord = Coordinator(engine, config, wake=wake, pause_states=PauseState)
-    coord.start()
+    coord = Coordinator(engine, config, wake=None if in_process else wake, pause_states=PauseState)
+    coord.start(refuse=_unsupported_layout(engine.vllm_config))
     return coord
 
 

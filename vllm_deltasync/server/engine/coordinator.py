@@ -78,7 +78,7 @@ def common_ready_step(statuses: Sequence[Mapping[str, Any]]) -> int | None:
 class Coordinator:
     """Decides when all ranks switch; resets the prefix cache; sets the weight version."""
 
-    def __init__(self, engine: Any, config: SyncConfig, *, wake: Callable[[], None],
+    def __init__(self, engine: Any, config: SyncConfig, *, wake: Callable[[], None] | None,
                  pause_states: Any) -> None:
         self.engine = engine
         self.config = config
@@ -106,6 +106,7 @@ class Coordinator:
         self._label: str | None = None
         """The weight version this coordinator last set (a step), to tell it from a user's."""
         self._proof_classes: list[str] = []
+        self._last_tick = float("-inf")
 
     @property
     def last_error(self) -> str | None:
@@ -117,11 +118,19 @@ class Coordinator:
         self._last_error = None if text is None else redact_text(text)
 
     # ----------------------------------------------------------------- lifecycle
-    def start(self) -> None:
+    def start(self, refuse: str | None = None) -> None:
         """Prove every rank (``deltasync_start``, then the collective ``deltasync_prove``),
         start the metrics endpoint, then the pollers (``deltasync_follow``) and the wake-up
-        timer. If any rank refuses, no rank follows (``deltasync_stop``); the engine serves
-        its checkpoint, and ``/metrics`` and ``/synced`` (503) say why."""
+        timer (none when ``wake`` is None: the in-process engine core ticks from its client).
+        If any rank refuses, no rank follows (``deltasync_stop``); the engine serves its
+        checkpoint, and ``/metrics`` and ``/synced`` (503) say why. ``refuse``: a reason known
+        before any rank is asked (an engine layout that cannot switch safely): the same
+        refusal, without starting any rank."""
+        if refuse is not None:
+            self.last_error = refuse
+            self._start_metrics()
+            self._refuse(refuse)
+            return
         try:
             self.statuses = list(self.engine.collective_rpc("deltasync_start"))
             if not self._refused():
@@ -139,9 +148,10 @@ class Coordinator:
             return
         self.statuses = list(self.engine.collective_rpc("deltasync_follow"))
         self.active = True
-        self._timer = threading.Thread(target=self._run_timer, name="deltasync-wake",
-                                       daemon=True)
-        self._timer.start()
+        if self._wake is not None:
+            self._timer = threading.Thread(target=self._run_timer, name="deltasync-wake",
+                                           daemon=True)
+            self._timer.start()
         logger.info("deltasync following %s with %d rank(s), poll every %.2fs",
                     self.config.redacted_url(), len(self.statuses), self.config.poll_interval_s)
 
@@ -179,6 +189,7 @@ class Coordinator:
             self.server = None
 
     def _run_timer(self) -> None:
+        assert self._wake is not None
         while not self._stop.wait(self.config.poll_interval_s):
             try:
                 self._wake()
@@ -193,6 +204,7 @@ class Coordinator:
         """
         if not self.active:
             return
+        self._last_tick = time.monotonic()
         try:
             self._failpoint.at_tick()
             self._tick(may_switch=from_steps or not self._switch_every
@@ -202,6 +214,12 @@ class Coordinator:
         else:
             self.failed_ticks = 0
             self.metrics.coordinator_state(failing=False)
+
+    def tick_if_due(self) -> None:
+        """A tick, unless one ran less than ``poll_interval_s`` ago (the in-process engine
+        core, which has no busy loop and no wake-up timer, calls this before each step)."""
+        if time.monotonic() - self._last_tick >= self.config.poll_interval_s:
+            self.tick()
 
     def after_model_step(self) -> None:
         """Busy-loop thread, after a model step ran (test hook :data:`SWITCH_EVERY_STEPS_ENV`)."""
