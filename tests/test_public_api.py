@@ -322,6 +322,8 @@ SAMPLES: dict[str, tuple[str, Any]] = {
     "metrics_port": ("0", 0),
     "metrics_host": ("127.0.0.1", "127.0.0.1"),
     "debug_ring_size": ("17", 17),
+    "node_cache": ("off", "off"),
+    "node_cache_dir": ("/tmp/deltasync-cache", "/tmp/deltasync-cache"),
     "store_options": ('{"addressing_style": "path"}', {"addressing_style": "path"}),
 }
 

@@ -75,13 +75,24 @@ class SyncConfig:
 
     metrics_port: int = 9464
     """The engine core serves ``GET /metrics`` (Prometheus) and ``GET /synced`` (JSON: each
-    rank's applied step, newest step, last error) on this port; ``0`` turns it off."""
+    rank's applied step, newest step, last error) on this port; ``0`` turns it off. With data
+    parallel, the engine core of DP rank ``k`` serves on ``metrics_port + k``."""
 
     metrics_host: str = "0.0.0.0"
     """Address the metrics endpoint listens on."""
 
     debug_ring_size: int = 4096
     """Model steps remembered per rank with the weight version they ran on (``deltasync_trace``)."""
+
+    node_cache: str = "auto"
+    """One download per node (``stores/nodecache.py``): the ranks of one engine on one node read
+    the bucket through a shared local cache, and only one of them runs discovery. ``auto``: on
+    when the engine runs more than one rank and the bucket is not a local ``file://`` one;
+    ``on``; ``off`` (every rank follows alone)."""
+
+    node_cache_dir: str = ""
+    """Where that cache lives; empty: ``/dev/shm/vllm-deltasync`` (RAM), or the system temp
+    folder where there is no ``/dev/shm``."""
 
     store_options: dict[str, Any] = field(default_factory=dict, repr=False)
     """Options for the bucket backend, as a JSON object (``VLLM_DELTASYNC_STORE_OPTIONS=
@@ -105,6 +116,8 @@ class SyncConfig:
             raise ConfigError(f"deltasync loaded_step={self.loaded_step} must be >= 0")
         if self.in_flight not in ("continue", "drain"):
             raise ConfigError(f"deltasync in_flight={self.in_flight!r}: use 'continue' or 'drain'")
+        if self.node_cache not in ("auto", "on", "off"):
+            raise ConfigError(f"deltasync node_cache={self.node_cache!r}: use 'auto', 'on' or 'off'")
         if not isinstance(self.store_options, Mapping):
             raise ConfigError("deltasync store_options must be a JSON object of backend options")
         if not 0 <= self.metrics_port < 65536:

@@ -24,6 +24,9 @@ Models, all built here: Llama-shaped with GQA (4 heads, 2 KV heads), Qwen2-shape
 biases, and Llama-shaped with tied embeddings and one KV head (replicated on both ranks at
 TP=2). The vocabulary (500) is padded by vLLM, so rank 1's lm_head shard has padding rows.
 
+At TP=2 over hf:// the ranks share the node cache (``stores/nodecache.py``): the local Hub
+server served every byte range once (<= 1.15x the distinct bytes), and one rank ran discovery.
+
 Over file:// every model runs at TP=1 and TP=2. Over hf:// (the local Hub bucket server) and
 s3:// (moto) every model runs once, each transport at both TP sizes; the fresh engines'
 answers are shared with the file:// runs when the trainer's checkpoints are the same bytes.
@@ -90,6 +93,18 @@ def _check_digests(llm: Any, trainer: Trainer, ckpt: Path, tp: int, step: int) -
             assert live[0][name] == sha256_hex(tensor), (step, name)
 
 
+def _check_one_download_per_node(hub: Any, counters: list[dict[str, Any]]) -> None:
+    """TP ranks share the node cache: every byte range the CDN served was asked for once
+    (bytes served <= 1.15x the distinct bytes), and only one rank ran discovery."""
+    served = [r for r in hub.requests("cdn") if r["status"] in (200, 206)]
+    total = sum(r["bytes"] for r in served)
+    distinct = {(r["path"], r["range"]): r["bytes"] for r in served}
+    assert total <= 1.15 * sum(distinct.values()), (total, sum(distinct.values()))
+    discovery = [sum(n for op, _, n in c["store_requests"] if op in ("list", "stat", "events"))
+                 for c in counters]
+    assert sum(1 for n in discovery if n > 0) == 1, discovery
+
+
 @requires_vllm
 @pytest.mark.engine
 @pytest.mark.parametrize(("transport", "model", "tp"), CASES)
@@ -124,6 +139,7 @@ def test_engine_follows_bucket(
                 _check_digests(llm, trainer, checkpoints[step], tp, step)
                 per_step[step] = generate(llm, prompts)  # also served before the next switch
             status = engine_status(llm)
+            counters = [s["counters"] for s in llm.collective_rpc("deltasync_status")]
         finally:
             close_llm(llm)
 
@@ -135,6 +151,8 @@ def test_engine_follows_bucket(
     if bucket.server is not None:  # the workers downloaded from the CDN origin, tokenless
         assert bucket.server.cdn_bytes_served > 0
         assert bucket.server.cdn_auth_seen == 0
+        if tp > 1:
+            _check_one_download_per_node(bucket.server, counters)
 
     references = fresh_outputs(tp, prompts, [checkpoints[s] for s in REFERENCE_STEPS])
     for step, want in zip(REFERENCE_STEPS, references, strict=True):

@@ -20,6 +20,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from vllm_deltasync._loop import BackgroundLoop
@@ -32,6 +33,8 @@ from vllm_deltasync.format.reader import BucketReader
 from vllm_deltasync.server.metrics import WorkerStats, error_reason
 from vllm_deltasync.server.worker.discovery import StepWatcher
 from vllm_deltasync.server.worker.state import StagedStep, SyncState
+from vllm_deltasync.stores import open_store
+from vllm_deltasync.stores.base import Store
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +69,7 @@ class Poller:
         stats: WorkerStats | None = None,
         state: SyncState[Any] | None = None,
         each: Each | None = None,
+        node_ranks: int = 1,
     ) -> None:
         self.config = config
         self.rank = rank
@@ -75,9 +79,8 @@ class Poller:
         self._prepare = prepare
         self._each = each
         self._select = select
-        self._reader = reader or BucketReader.open(
-            config.url,
-            store_options=config.store_options,
+        self._reader = reader or BucketReader(
+            open_node_store(config, node_ranks),
             max_concurrency=config.download_concurrency,
             fingerprint=fingerprint,
         )
@@ -295,6 +298,21 @@ class Poller:
             exc.add_note("stage=download")
             exc.add_note(f"step={manifest.step}")
             raise
+
+
+def open_node_store(config: SyncConfig, node_ranks: int) -> Store:
+    """The bucket's store, read through the node cache when ``config.node_cache`` asks for it
+    (``auto``: when the engine runs more than one rank and the bucket is remote; a ``file://``
+    bucket is already on the node)."""
+    store = open_store(config.url, **dict(config.store_options))
+    if config.node_cache == "off" or (config.node_cache == "auto" and (
+            node_ranks < 2 or store.scheme in ("file", "memory"))):
+        return store
+    from vllm_deltasync.stores.nodecache import NodeCachedStore, cache_root, default_base
+
+    base = Path(config.node_cache_dir) if config.node_cache_dir else default_base()
+    return NodeCachedStore(store, cache_root(base, config.url),
+                           ttl_s=max(600.0, 100 * config.poll_interval_s))
 
 
 def _step_of(exc: BaseException) -> int | None:

@@ -99,6 +99,7 @@ class RankState:
         self.poller = Poller(
             config,
             self.prepare,
+            node_ranks=_local_world(worker),
             each=self.stage_patch,
             select=lambda n: n not in names or bool(self.shardmap.targets(n)),
             fingerprint=self.fingerprint,
@@ -383,6 +384,12 @@ class RankState:
         if self.refused is not None:
             out.update(last_error=self.refused, ready_steps=[])
         return out
+
+
+def _local_world(worker: Any) -> int:
+    """Ranks of this engine (TP x PP): more than one share a node cache (config.node_cache)."""
+    parallel = getattr(getattr(worker, "vllm_config", None), "parallel_config", None)
+    return int(getattr(parallel, "world_size", 1) or 1)
 
 
 def _param_ids(model: torch.nn.Module) -> frozenset[int]:
