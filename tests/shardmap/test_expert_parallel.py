@@ -201,3 +201,49 @@ def test_expert_families_placed_by_stride_equal_probing_every_name(
     # 2 layers x 3 projections: placed by stride only where every expert is on the rank
     assert len(outcomes) == 6 * len({0, ep - 1}), outcomes
     assert all(outcomes) if ep == 1 else not any(outcomes), outcomes
+
+
+def test_an_ep_rank_fetches_only_its_own_experts(ep_world: TPWorld, hub: Any,
+                                                 make_hf_store: Any, run: Any) -> None:
+    """Under EP a rank range-reads only the chunks of the experts it holds (Format v2 per-chunk
+    ranges and sha256): counted in bytes at the local Hub server's CDN."""
+    from vllm_deltasync import DeltaPublisher
+    from vllm_deltasync.format.reader import BucketReader
+
+    kind, params = _ep_model(ep_world, "qwen3_moe")
+    base = random_checkpoint(params, seed=5)
+    after = {n: t.clone() for n, t in base.items()}
+    for t in after.values():  # a 1%-ish delta in every tensor
+        bits = t.view(torch.int16).reshape(-1)
+        bits[:: 97] += 1
+    store = make_hf_store()
+    options = {"endpoint": hub.endpoint, "token": hub.token, "environ": {},
+               "uploader": store._uploader, "part_size": 1 << 16}
+    with DeltaPublisher(store.url, store_options=options) as pub:
+        pub.publish(0, base)
+        pub.publish(1, after)
+        pub.flush()
+    live = ep_world.build(kind, 4, 1)
+    shardmap = ShardMap.from_model(live, params)
+    held = {n for n in params if shardmap.targets(n)}
+    experts = {n for n in params if EXPERT_NAME.match(n)}
+    assert experts - held and experts & held  # some experts here, most elsewhere
+
+    def select(name: str) -> bool:
+        return bool(shardmap.targets(name))
+
+    reader = BucketReader(make_hf_store(bucket_id=store.bucket_id))
+
+    async def fetch() -> tuple[Any, list[str]]:
+        m = await reader.manifest(1)
+        hub.cdn_bytes_served = 0
+        names = [p.name async for p in reader.iter_patches(m, select=select)]
+        return m, names
+
+    m, names = run(fetch())
+    assert set(names) == held  # every tensor changed: exactly the held ones come back
+    wanted = reader.selected_bytes(m, select)
+    total = sum(f.size for f in m.files)
+    assert hub.cdn_bytes_served == wanted, (hub.cdn_bytes_served, wanted)
+    assert wanted < 0.6 * total, (wanted, total)
+    run(reader.close())
