@@ -553,7 +553,9 @@ def extrapolate(r: dict[str, Any]) -> str:
         f"tensor count (every rank reads it all; attention/dense tensors' entries not counted); a "
         f"node = {GPUS_PER_NODE} GPUs = {GPUS_PER_NODE} EP ranks, each downloading and decoding its "
         f"own share (no node-level sharing: the shared expert's delta and the manifest are fetched "
-        f"8x per node); node front-end link {LINK_GBPS:.0f} Gb/s shared by its ranks; "
+        f"8x per node; the column 'with the node cache' assumes `NodeCachedStore` shares them, "
+        f"one download per node, while each rank's own experts are still its own ranges; the "
+        f"times use the first); node front-end link {LINK_GBPS:.0f} Gb/s shared by its ranks; "
         f"{DECODE_CORES} host cores per node for verify+decode at the measured 1-thread rate per "
         f"core (the 2-thread column above shows the per-core scaling); the trainer diffs and "
         f"publishes with one rank per EP share in parallel at the rates measured here (a shared "
@@ -566,10 +568,10 @@ def extrapolate(r: dict[str, Any]) -> str:
         f"embeddings, dense layers (~14.5B parameters, ~2% of DeepSeek-V3's 671B).",
         "",
         "| model | routed experts / rank / layer | MoE layers | per rank: data + manifest fetched | "
-        "per node: fetched | trainer diff s | encode + upload s | upload + download at link s | "
+        "per node: fetched | per node with the node cache | trainer diff s | encode + upload s | upload + download at link s | "
         "plan + verify+decode s (per node) | apply s | publish -> applied s | Hub requests / "
         "step: rank / fleet | fleet bytes / step |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     headline = ""
     for model, (moe_layers, routed) in MOE_LAYERS.items():
@@ -579,6 +581,7 @@ def extrapolate(r: dict[str, Any]) -> str:
         manifest = manifest_per_tensor * moe_tensors
         rank_bytes = per_unit["fetched"] * u + manifest
         node_bytes = rank_bytes * GPUS_PER_NODE
+        cached = per_unit["fetched"] * moe_layers * (per_rank_experts * GPUS_PER_NODE + 1) + manifest
         link_s = 2 * node_bytes * 8 / (LINK_GBPS * 1e9)  # trainer node up, rollout node down
         diff_s, upload_s = per_unit["diff_s"] * u, per_unit["upload_s"] * u
         decode_s = (plan_per_tensor * moe_tensors * GPUS_PER_NODE
@@ -588,7 +591,7 @@ def extrapolate(r: dict[str, Any]) -> str:
         req_rank = manifest_req + data_req_per_layer * moe_layers
         lines.append(
             f"| {model} | {per_rank_experts} (+1 shared) | {moe_layers} | {_gb(rank_bytes)} "
-            f"({_gb(manifest)} manifest) | {_gb(node_bytes)} | {diff_s:.0f} | {upload_s:.0f} | "
+            f"({_gb(manifest)} manifest) | {_gb(node_bytes)} | {_gb(cached)} | {diff_s:.0f} | {upload_s:.0f} | "
             f"{link_s:.1f} | {decode_s:.1f} | {apply_s:.1f} | {total:.0f} | {req_rank:.0f} / "
             f"{req_rank * REPLICAS * EP:,.0f} | {_gb(node_bytes * fleet_nodes)} |")
         if model.startswith("1T"):
