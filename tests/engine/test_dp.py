@@ -71,13 +71,18 @@ def _vllm_config(*, moe: bool, dp: int, index: int, url: str, port: int) -> Any:
     )
 
 
-def test_moe_with_data_parallel_is_the_only_refused_layout() -> None:
+def test_refused_layouts() -> None:
     from vllm_deltasync.server.extension import _unsupported_layout
 
     reason = _unsupported_layout(_vllm_config(moe=True, dp=2, index=0, url="file:///b", port=0))
     assert reason is not None and "--data-parallel-size" in reason and "MoE" in reason
     assert _unsupported_layout(_vllm_config(moe=True, dp=1, index=0, url="file:///b", port=0)) is None
     assert _unsupported_layout(_vllm_config(moe=False, dp=2, index=1, url="file:///b", port=0)) is None
+    spmd = _vllm_config(moe=False, dp=1, index=0, url="file:///b", port=0)
+    spmd.parallel_config.distributed_executor_backend = "external_launcher"
+    assert _unsupported_layout(spmd) is None  # one rank per model: an independent engine
+    spmd.parallel_config.tensor_parallel_size = 2
+    assert "external_launcher" in (_unsupported_layout(spmd) or "")
 
 
 def test_metrics_port_is_offset_by_the_data_parallel_rank() -> None:

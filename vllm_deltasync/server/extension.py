@@ -19,6 +19,12 @@ does two things, both idempotent and inert unless ``--worker-extension-cls`` nam
    busy loop handles it between two scheduler steps, where the coordinator reads every rank's
    status, and when *all* ranks have the same next step(s) staged it broadcasts
    ``deltasync_apply(step)``, resets the prefix cache and sets vLLM's weight version.
+   Other engine layouts: dense data parallel runs one ``EngineCoreProc`` per DP rank, each
+   with its own coordinator (metrics on ``metrics_port + DP rank``); an in-process engine
+   core (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, ``InprocClient``) has no busy loop, so its
+   coordinator starts when the client has built the core and ticks from the client's calls
+   (:func:`_patch_inproc_client`); MoE at DP > 1 (``DPEngineCoreProc``) is refused
+   (:func:`_unsupported_layout`).
 2. It replaces ``vllm.model_executor.layers.utils.dispatch_cpu_unquantized_gemm`` so that on the
    CPU build, when our extension is configured (read from the current vLLM config at load
    time), 2-D linear weights are not prepacked: the parameter keeps its storage and is used
@@ -532,7 +538,11 @@ def _unsupported_layout(vllm_config: Any) -> str | None:
     its experts (and their all-to-all / all-reduce) across DP x TP: every forward of one engine
     computes with the other engines' experts. The engines switch independently (each between
     its own batches), so a forward could mix expert weights of two steps. Refused until a
-    cross-engine barrier exists. Dense models at DP > 1 are independent engines and follow."""
+    cross-engine barrier exists. Dense models at DP > 1 are independent engines and follow.
+
+    The same holds for ``distributed_executor_backend="external_launcher"`` (torchrun, one
+    in-process engine core per rank, each reaching only its own worker) with tensor or
+    pipeline parallel size > 1: the ranks of one model would switch independently."""
     parallel = getattr(vllm_config, "parallel_config", None)
     model = getattr(vllm_config, "model_config", None)
     dp = int(getattr(parallel, "data_parallel_size", 1) or 1)
@@ -542,6 +552,13 @@ def _unsupported_layout(vllm_config: Any) -> str | None:
                 "would switch independently and run forwards mixing expert weights of two "
                 "steps. Serve it with --data-parallel-size 1 (tensor parallel instead), or as "
                 "separate servers")
+    world = (int(getattr(parallel, "tensor_parallel_size", 1) or 1)
+             * int(getattr(parallel, "pipeline_parallel_size", 1) or 1))
+    if getattr(parallel, "distributed_executor_backend", None) == "external_launcher" and world > 1:
+        return (f"distributed_executor_backend='external_launcher' with {world} ranks per model "
+                "is not supported: each rank's engine core reaches only its own worker, so the "
+                "ranks would switch independently and mix two steps in one forward. Use vLLM's "
+                "own executor (mp, the default) for tensor/pipeline parallel")
     return None
 
 
