@@ -20,6 +20,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -97,6 +98,9 @@ class Poller:
         """Steps that failed verification -> (failures, monotonic time of the next try)."""
         self._reader.remember_failures_s = config.poll_interval_s
         self._loop = BackgroundLoop(name=f"deltasync-poller-rank{rank}")
+        self._stager = ThreadPoolExecutor(1, thread_name_prefix=f"deltasync-stage-rank{rank}")
+        """``each`` and ``prepare`` run on this one thread: one malloc arena holds (and reuses)
+        what staging allocates, instead of one per thread of the default executor."""
         self._room: asyncio.Event | None = None
         self._task: Any = None
 
@@ -118,6 +122,7 @@ class Poller:
             except Exception:  # noqa: BLE001 - closing is best effort
                 logger.debug("poller rank=%d: close failed", self.rank, exc_info=True)
         self._loop.close()
+        self._stager.shutdown(wait=True, cancel_futures=True)
         self.state.drop_staged()
 
     # ------------------------------------------------------------ any thread
@@ -271,7 +276,7 @@ class Poller:
                 continue
             t0 = time.perf_counter()
             try:
-                patches.append(await asyncio.to_thread(self._each, patch))
+                patches.append(await self._staging(self._each, patch))
             except Exception as exc:
                 exc.add_note("stage=stage")
                 raise
@@ -282,11 +287,14 @@ class Poller:
         kind = "anchor" if manifest.kind == "anchor" else "delta"
         self.stats.add_download(kind, downloaded, download_s)
         try:
-            payload, nbytes = await asyncio.to_thread(self._prepare, manifest, patches)
+            payload, nbytes = await self._staging(self._prepare, manifest, patches)
         except Exception as exc:
             exc.add_note("stage=stage")
             raise
         return StagedStep(manifest, payload, nbytes, downloaded, download_s)
+
+    async def _staging(self, fn: Callable[..., Any], *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self._stager, fn, *args)
 
     async def _guarded_iter(self, manifest: Manifest) -> Any:
         try:
