@@ -91,6 +91,7 @@ class DeltaSyncExtension:
             return self.deltasync_status()
         w: Any = self
         rank = int(getattr(w, "rank", 0))
+        _pipeline_buffers(w)  # serving needs them, following or not
         try:
             config = SyncConfig.from_sources(w.vllm_config.additional_config, os.environ)
             state = RankState(w, config, layout_specs=lambda: _layout_specs(w.model_runner.model))
@@ -307,12 +308,24 @@ def _probe_forward(worker: Any) -> Any:
     ids = torch.linspace(0, vocab - 1, n).to(torch.int64)
     lm_head = getattr(model, "lm_head", None)
 
+    staged_input = getattr(runner, "intermediate_tensors", None)
+    """A later pipeline stage's input buffers (``_pipeline_buffers``): filled with fixed values
+    per forward, so its writes change its outputs (zeros would hide most of them)."""
+    gen = torch.Generator().manual_seed(0)
+    fills = {k: torch.randn(tuple(t[:n].shape), generator=gen).to(t.dtype)
+             for k, t in _stage_tensors(staged_input).items()}
+
     def forward() -> torch.Tensor:
         buf = runner.input_ids
         for t in (getattr(buf, "gpu", None), getattr(buf, "cpu", None)):
             if isinstance(t, torch.Tensor):
                 t[:n].copy_(ids.to(t.device, t.dtype))
+        for k, t in _stage_tensors(staged_input).items():
+            t[:n].copy_(fills[k].to(t.device))
         hidden, _ = runner._dummy_run(n, force_attention=True)
+        stage_out = _stage_tensors(hidden)
+        if stage_out:  # a pipeline stage before the last: its intermediate tensors
+            return torch.cat([stage_out[k].float().reshape(-1) for k in sorted(stage_out)]).cpu()
         out = [hidden.float().reshape(-1)]
         if lm_head is not None and hasattr(lm_head, "quant_method"):
             logits = lm_head.quant_method.apply(lm_head, hidden)
@@ -320,6 +333,34 @@ def _probe_forward(worker: Any) -> Any:
         return torch.cat(out).cpu()
 
     return forward
+
+
+def _stage_tensors(value: Any) -> dict[str, torch.Tensor]:
+    """The tensors of vLLM's ``IntermediateTensors`` (what a pipeline stage hands the next),
+    or {} for anything else."""
+    tensors = getattr(value, "tensors", None)
+    return dict(tensors) if isinstance(tensors, dict) else {}
+
+
+def _pipeline_buffers(worker: Any) -> None:
+    """Under pipeline parallelism the CPU build skips the warm-up that allocates a later
+    stage's input buffers (``model_runner.intermediate_tensors``) with eager mode, and the
+    first generate fails (REFERENCE §3); allocate them as that warm-up would."""
+    runner = worker.model_runner
+    parallel = worker.vllm_config.parallel_config
+    if int(getattr(parallel, "pipeline_parallel_size", 1)) < 2 \
+            or getattr(runner, "intermediate_tensors", None) is not None:
+        return
+    make = getattr(runner.model, "make_empty_intermediate_tensors", None)
+    if callable(make) and _stage_index(worker) > 0:
+        runner.intermediate_tensors = make(batch_size=int(runner.max_num_tokens),
+                                           dtype=runner.dtype, device=runner.device)
+
+
+def _stage_index(worker: Any) -> int:
+    parallel = worker.vllm_config.parallel_config
+    tp = int(getattr(parallel, "tensor_parallel_size", 1))
+    return int(getattr(worker, "rank", 0)) // tp
 
 
 def _wrap_reload(worker: Any, state: RankState) -> None:

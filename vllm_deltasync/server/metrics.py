@@ -208,6 +208,7 @@ class WorkerStats:
             }
         requests = getattr(store_stats, "requests", None) or {}
         snap["store_requests"] = [[op, out, n] for (op, out), n in sorted(requests.items())]
+        snap["store_bytes_read"] = int(getattr(store_stats, "bytes_read", 0) or 0)
         return snap
 
 

@@ -191,7 +191,7 @@ class ShardMap:
             name: [Target(pn, params[pn], b, _layout_of(layouts, pn)) for pn, b in blocks]
             for name, blocks in placed.items()
         }
-        ignored, covered, errors = _classify_unplaced(unplaced, placed, params)
+        ignored, covered, errors = _classify_unplaced(unplaced, placed, params, model)
         for name, first in _duplicates(placed, params).items():
             del targets[name]
             covered[name] = first
@@ -335,8 +335,9 @@ def _classify_unplaced(
     unplaced: Mapping[str, str],
     placed: Mapping[str, list[tuple[str, Block]]],
     params: Mapping[str, torch.Tensor],
+    model: torch.nn.Module | None = None,
 ) -> tuple[dict[str, str], dict[str, str], list[str]]:
-    """Split unplaced names into ignored (tied / recomputed) and errors."""
+    """Split unplaced names into ignored (tied / recomputed / another rank's) and errors."""
     owner: dict[int, str] = {}
     for name, blocks in placed.items():
         for pname, _ in blocks:
@@ -353,9 +354,27 @@ def _classify_unplaced(
             ignored[name] = "buffer recomputed by the engine"
         elif why.startswith(DECLINED):  # e.g. an expert another expert-parallel rank holds
             ignored[name] = f"not on this rank: {why}"
+        elif model is not None and (stage := _missing_stage_layer(model, name)) is not None:
+            ignored[name] = f"not on this rank: {stage!r} is another pipeline stage's"
         else:
             errors.append(f"{name!r}: {why}")
     return ignored, covered, errors
+
+
+def _missing_stage_layer(model: torch.nn.Module, name: str) -> str | None:
+    """The module on the way to checkpoint tensor ``name`` that is a placeholder for a layer
+    another pipeline stage holds (vLLM's ``PPMissingLayer``), or None. Found by the module
+    path only: a name that does not resolve in the model is not excused."""
+    parts = name.split(".")
+    module = model
+    for i, part in enumerate(parts[:-1]):
+        child = module._modules.get(part)
+        if child is None:
+            return None
+        if type(child).__name__ == "PPMissingLayer":
+            return ".".join(parts[: i + 1])
+        module = child
+    return None
 
 
 def _duplicates(
