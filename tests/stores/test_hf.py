@@ -232,3 +232,18 @@ def test_paths_info_and_delete_via_batch_api(hub: Any, hf_store: HfStore, run: A
     assert "run/d/1" not in hub.buckets[hf_store.bucket_id]
     batch = [r for r in hub.requests("api") if r["path"].endswith("/batch")]
     assert len(batch) == 1 and batch[0]["auth"]
+
+
+def test_ranged_reads_of_one_object_share_a_resolve(hub: Any, make_hf_store: Any,
+                                                    run: Any) -> None:
+    """A v2 reader range-reads the chunks it needs from one file: one resolve per file (the
+    signed CDN URL is reused for LOCATED_TTL_S), one CDN request per range."""
+    store = make_hf_store()
+    data = os.urandom(50_000)
+    run(store.write("data/r.safetensors", data))
+    hub.log.clear()
+    assert run(store.read("data/r.safetensors", 0, 100)) == data[:100]
+    assert run(store.read("data/r.safetensors", 20_000, 20_500)) == data[20_000:20_500]
+    assert run(store.read("data/r.safetensors", 49_000)) == data[49_000:]
+    assert len(hub.requests("resolve")) == 1
+    assert len(hub.requests("cdn")) == 3

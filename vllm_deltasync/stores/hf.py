@@ -171,6 +171,11 @@ _RUNTIME_KEYS = ("session", "uploader", "environ")
 """``store_options`` keys of ``hf://`` that are runtime objects, passed to HfStore as is."""
 
 
+LOCATED_TTL_S = 30.0
+"""Seconds a resolved CDN URL is reused for more reads of the same object (signed URLs stay
+valid for minutes; a failed read drops it)."""
+
+
 class HfStore(Store):
     """A prefix inside one Hugging Face Storage Bucket."""
 
@@ -210,6 +215,8 @@ class HfStore(Store):
         )
         self._classes: dict[str, str | None] = {}
         self.gates = {"api": RateGate("api"), "resolve": RateGate("resolve")}
+        self._located: dict[str, tuple[str, float]] = {}
+        """path -> (CDN URL, monotonic time it is trusted until)."""
         self._quota: dict[str, tuple[int, float]] = {}
         self.resumed_bytes = 0
 
@@ -414,6 +421,13 @@ class HfStore(Store):
 
     async def read(self, path: str, start: int = 0, end: int | None = None) -> bytes:
         what = f"{self.url}/{path}"
+        try:
+            return await self._read(path, start, end, what)
+        except Exception:
+            self._located.pop(path, None)  # a failed read resolves again next time
+            raise
+
+    async def _read(self, path: str, start: int, end: int | None, what: str) -> bytes:
         cdn = await self._locate(path, what)
         reader = RangedReader(
             fetch=lambda a, b, buf: self._fetch(cdn, a, b, buf, what),
@@ -436,7 +450,21 @@ class HfStore(Store):
         self.stats.count("read", "resumed")
 
     async def _locate(self, path: str, what: str) -> str:
-        """The CDN URL the resolve call redirects to (or the resolve URL if served directly)."""
+        """The CDN URL the resolve call redirects to (or the resolve URL if served directly).
+
+        Kept for :data:`LOCATED_TTL_S` (objects are immutable): the ranged reads of one file
+        within a step cost one resolve, not one per range."""
+        now = time.monotonic()
+        known = self._located.get(path)
+        if known is not None and known[1] > now:
+            return known[0]
+        target = await self._resolve(path, what)
+        if len(self._located) >= 4096:
+            self._located.clear()
+        self._located[path] = (target, now + LOCATED_TTL_S)
+        return target
+
+    async def _resolve(self, path: str, what: str) -> str:
         url = self._resolve_url(path)
         status, headers, _, _ = await self._call(
             "resolve", "resolve", "HEAD", url, what=what, ok404=True
