@@ -128,3 +128,36 @@ def test_leader_prunes_old_objects_and_gone_engines(hub: Any, make_hf_store: Any
     assert not old.exists()
     assert (root / "objects" / "data" / "b.safetensors@all").exists()
     run(store.close())
+
+
+def test_two_nodes_each_download_once_and_discover_once(hub: Any, make_hf_store: Any,
+                                                        tmp_path: Path, run: Any) -> None:
+    """Two "nodes" of one multi-node engine (two cache roots, two ranks each, as vLLM's
+    ``--nnodes 2`` mp executor would run them): each node has its own leader, downloads each
+    byte once, and only its leader asks the bucket what exists."""
+    bucket = "tester/two-nodes"
+    writer = make_hf_store(bucket_id=bucket)
+    data = os.urandom(120_000)
+    run(writer.write("data/f.safetensors", data))
+    run(writer.write("manifests/000000000001.json", b"{}"))
+    nodes = []
+    for node in ("a", "b"):
+        root = cache_root(tmp_path / node, writer.url, session="1")
+        nodes.append([NodeCachedStore(make_hf_store(bucket_id=bucket), root) for _ in range(2)])
+    assert [[r.leader for r in ranks] for ranks in nodes] == [[True, False], [True, False]]
+    hub.log.clear()
+    hub.cdn_bytes_served = 0
+
+    async def follow() -> None:
+        for ranks in nodes:
+            await ranks[0].list("manifests/")  # the leader's discovery
+        await asyncio.gather(*(r.stat("manifests/000000000001.json") for ranks in nodes
+                               for r in ranks))
+        await asyncio.gather(*(r.read("data/f.safetensors") for ranks in nodes for r in ranks))
+
+    run(follow())
+    assert hub.cdn_bytes_served == 2 * len(data)  # once per node
+    discovery = [r for r in hub.log if "manifests" in r["path"]]
+    assert len(discovery) == 4, discovery  # per node: one listing, one probe (the leader's)
+    reads = [r for r in hub.log if r["kind"] == "resolve" and "data/" in r["path"]]
+    assert len(reads) == 2  # one resolve per node for the data file
