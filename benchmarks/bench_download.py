@@ -153,7 +153,7 @@ def _throughput(quick: bool) -> tuple[str, float]:
 
 async def _follow(hub: Any, k: float, duration_s: float, events: bool) -> int:
     hub.create_bucket(BUCKET)
-    store = HfStore(BUCKET, HfOptions(endpoint=hub.endpoint, token=hub.token), environ={})
+    store = HfStore(BUCKET, options=HfOptions(endpoint=hub.endpoint, token=hub.token), environ={})
     watcher = StepWatcher(
         store,
         probe_interval_s=10.0 / k,
