@@ -138,6 +138,7 @@ def engine_env(
     env.update({f"VLLM_DELTASYNC_{k.upper()}": str(v) for k, v in deltasync.items()})
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
+    _fresh_vllm_envs()
     try:
         yield
     finally:
@@ -146,9 +147,22 @@ def engine_env(
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+        _fresh_vllm_envs()
         import shutil
 
         shutil.rmtree(rpc, ignore_errors=True)
+
+
+def _fresh_vllm_envs() -> None:
+    """vLLM freezes its environment variables in the process that builds an engine core
+    (``vllm.envs.enable_envs_cache``): the in-process engine core does so in the test process,
+    and every later test's variables (``VLLM_ENABLE_V1_MULTIPROCESSING``, ``VLLM_RPC_BASE_PATH``,
+    ...) would be ignored. Read them afresh for each engine."""
+    try:
+        import vllm.envs
+    except ImportError:
+        return
+    vllm.envs.disable_envs_cache()
 
 
 def make_llm(model_dir: Path, tp: int, *, extension: bool) -> Any:

@@ -7,76 +7,49 @@ most once per poll interval). The trainer publishes 3 real AdamW bf16 steps; aft
 live weights equal the trainer's bit for bit, and at the last step greedy tokens and prompt
 logprobs equal a fresh stock engine's on that step's checkpoint (prompts the engine had served
 at every earlier step, so stale prefix-cache blocks would show).
+
+The engine runs in a fresh process (``tests/engine/inproc_follow.py``): an in-process engine
+changes the process that holds it for good (frozen vLLM environment variables, threads bound
+to cores), which must not leak into the tests after this one.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 from pathlib import Path
-from typing import Any
 
 import pytest
 
-from examples.toymodel import build_model
-from vllm_deltasync import DeltaPublisher
-from vllm_deltasync.server.extension import sha256_hex
-
-from .conftest import (
-    FreshOutputs,
-    Trainer,
-    close_llm,
-    engine_env,
-    generate,
-    long_prompts,
-    make_llm,
-    requires_vllm,
-    wait_applied,
-)
-
-STEPS = 3
+from .conftest import REPO, FreshOutputs, requires_vllm
 
 
 @requires_vllm
 @pytest.mark.engine
 def test_inprocess_engine_follows_bucket(tmp_path: Path, fresh_outputs: FreshOutputs) -> None:
-    seed = 41
-    model_dir = build_model(tmp_path / "model", family="llama", num_kv_heads=2, seed=seed)
-    trainer = Trainer(model_dir, lr=1e-5, seed=seed)
-    url = f"file://{tmp_path}/bucket"
-    prompts = long_prompts(3, seed=seed)
-    outputs: dict[int, list[dict[str, Any]]] = {}
-    with DeltaPublisher(url, anchor_every=5) as pub, \
-            engine_env(tmp_path, 1, {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}, url=url,
-                       poll_interval_s=0.2, metrics_port=0):
-        pub.publish(0, trainer.named_tensors())
-        pub.flush()
-        llm = make_llm(model_dir, 1, extension=True)
-        try:
-            core = llm.llm_engine.engine_core.engine_core
-            assert type(core).__name__ == "EngineCore"  # in process: no busy loop
-            statuses = wait_applied(llm, 0, timeout_s=90)
-            assert statuses[0]["pid"] == os.getpid()
-            outputs[0] = generate(llm, prompts)  # fills the prefix cache with step-0 blocks
-            for step in range(1, STEPS + 1):
-                trainer.step()
-                pub.publish(step, trainer.named_tensors())
-                pub.flush()
-                statuses = wait_applied(llm, step, timeout_s=90)
-                assert statuses[0]["last_error"] is None, statuses
-                live = llm.collective_rpc("deltasync_weight_digests")[0]
-                want = {n: sha256_hex(t) for n, t in trainer.named_tensors()}
-                assert live == want, f"step {step}: live weights differ from the trainer's"
-                outputs[step] = generate(llm, prompts)
-            status = core.deltasync_engine_status()
-            ckpt = trainer.save(tmp_path / f"ckpt-{STEPS}")
-        finally:
-            close_llm(llm)
-
-    assert status["active"] and status["weight_version"] == str(STEPS)
-    assert [s["step"] for s in status["switches"]] == list(range(STEPS + 1))
-    assert all(o["weight_versions"][-1].version == str(STEPS) for o in outputs[STEPS])
-    assert outputs[STEPS] != outputs[0]
-    [reference] = fresh_outputs(1, prompts, [ckpt])
-    for i, (got, ref) in enumerate(zip(outputs[STEPS], reference, strict=True)):
-        assert got["tokens"] == ref["tokens"], f"prompt {i}: greedy tokens differ"
-        assert got["prompt_logprobs"] == ref["prompt_logprobs"], f"prompt {i}: prompt logprobs differ"
+    out = tmp_path / "out.json"
+    log = tmp_path / "child.log"
+    with log.open("wb") as sink:
+        proc = subprocess.run([sys.executable, "-m", "tests.engine.inproc_follow",
+                               str(tmp_path), str(out)], cwd=REPO, stdout=sink,
+                              stderr=subprocess.STDOUT, timeout=400, env=dict(os.environ))
+    assert proc.returncode == 0, log.read_text(errors="replace")[-4000:]
+    got = json.loads(out.read_text())
+    steps = len(got["digests_equal"])
+    assert got["core_class"] == "EngineCore"  # in process: no busy loop
+    assert got["rank_pid"] == got["process"]  # the rank ran in the caller's process
+    assert all(e is None for e in got["errors"]), got["errors"]
+    assert all(got["digests_equal"].values()), got["digests_equal"]
+    status = got["status"]
+    assert status["active"] and status["weight_version"] == str(steps)
+    assert status["switches"] == list(range(steps + 1))
+    last, first = got["outputs"][str(steps)], got["outputs"]["0"]
+    assert all(o["versions"][-1] == str(steps) for o in last)
+    assert last != first
+    [reference] = fresh_outputs(1, got["prompts"], [Path(got["ckpt"])])
+    reference = json.loads(json.dumps(reference))  # the child's outputs went through JSON too
+    for i, (mine, ref) in enumerate(zip(last, reference, strict=True)):
+        assert mine["tokens"] == ref["tokens"], f"prompt {i}: greedy tokens differ"
+        assert mine["prompt_logprobs"] == ref["prompt_logprobs"], f"prompt {i}: prompt logprobs differ"
