@@ -103,6 +103,8 @@ class Poller:
         what staging allocates, instead of one per thread of the default executor."""
         self._room: asyncio.Event | None = None
         self._task: Any = None
+        self._closing = False
+        """Set by :meth:`close`: what fails while the loop is torn down is not reported."""
 
     # ---------------------------------------------------------------- lifecycle
     def start(self) -> None:
@@ -112,6 +114,7 @@ class Poller:
 
     def close(self) -> None:
         """Stop the loop thread for good; staged steps are dropped."""
+        self._closing = True
         self.state.set_on_room(None)
         if self._task is not None:
             self._task.cancel()
@@ -168,6 +171,8 @@ class Poller:
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # noqa: BLE001 - any failure is reported, then retried
+                if self._closing:
+                    raise asyncio.CancelledError from exc  # torn down under it: not a failure
                 self._report(exc)
                 self._remember_bad(exc)
                 await asyncio.sleep(self.config.poll_interval_s)
