@@ -33,7 +33,7 @@ prepacked linear kernels (tests/engine/test_follow.py).
 from __future__ import annotations
 
 import json
-import socket
+import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
@@ -51,6 +51,7 @@ from .conftest import (
     close_llm,
     engine_env,
     engine_status,
+    free_port,
     generate,
     long_prompts,
     make_llm,
@@ -123,19 +124,31 @@ def _follow(tmp_path: Path, model: str, tp: int, *, reload: bool = False) -> Run
                 run.outputs[step] = generate(llm, PROMPTS)
             run.weight_version = engine_status(llm)["weight_version"]
             if reload:
-                _reload_behind_its_back(llm, run)
+                _reload_behind_its_back(llm, run, tmp_path / "bucket")
         finally:
             close_llm(llm)
     return run
 
 
-def _reload_behind_its_back(llm: Any, run: Run) -> None:
+def _reload_behind_its_back(llm: Any, run: Run, bucket: Path) -> None:
     """vLLM's own in-place reload from the checkpoint on disk (step 0), as a user would call
     it. The engine core handles the call between two batches and the coordinator ticks right
-    after it, before any batch, so the label read next is already withdrawn."""
-    llm.collective_rpc("reload_weights")
-    statuses = llm.collective_rpc("deltasync_status")
-    run.reload["right_after"] = {"status": engine_status(llm), "statuses": statuses}
+    after it, before any batch, so the label read next is already withdrawn.
+
+    The bucket is out of reach while that is read (renamed away): on ``file://`` a resync
+    through the anchor takes well under a second, and the busy loop's ticks would otherwise
+    relabel the engine before this thread reads it. With the bucket gone the label must stay
+    withdrawn for as long as the anchor cannot be read; the bucket then comes back."""
+    hidden = bucket.with_name(bucket.name + ".hidden")
+    bucket.rename(hidden)
+    try:
+        llm.collective_rpc("reload_weights")
+        statuses = llm.collective_rpc("deltasync_status")
+        run.reload["right_after"] = {"status": engine_status(llm), "statuses": statuses}
+        time.sleep(1.0)  # five poll intervals: no switch may happen without the anchor
+        run.reload["still_unreachable"] = {"status": engine_status(llm)}
+    finally:
+        hidden.rename(bucket)
     statuses = wait_applied(llm, STEPS, timeout_s=120)
     run.reload["resynced"] = {"status": engine_status(llm), "statuses": statuses}
     run.reload["outputs"] = generate(llm, PROMPTS)
@@ -194,12 +207,6 @@ def test_mixtral_like_fresh(tp1_runs: dict[str, Any]) -> None:
     _same(run, STEPS, refs[STEPS], "a fresh engine on the final checkpoint")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @dataclass
 class Refused:
     """The TP=2 engine started on the follower's final checkpoint with layouts forced off."""
@@ -220,7 +227,7 @@ def tp2_refused(tmp_path_factory: pytest.TempPathFactory) -> Refused:
     checkpoint with ``DELTASYNC_TEST_NO_LAYOUTS=1``: its proof refuses (see the module doc)."""
     tmp = tmp_path_factory.mktemp("tp2")
     run = _follow(tmp, "qwen3-moe-padded", 2)
-    port = _free_port()
+    port = free_port()
     with engine_env(tmp, 2, {"DELTASYNC_TEST_NO_LAYOUTS": "1"}, url=run.url,
                     poll_interval_s=0.2, metrics_port=port):
         llm = make_llm(run.checkpoints[STEPS], 2, extension=True)
@@ -279,6 +286,9 @@ def test_reload_weights_behind_its_back_resyncs_through_an_anchor(
     right_after, resynced = run.reload["right_after"], run.reload["resynced"]
     assert right_after["status"]["weight_version"] == "unknown", right_after["status"]
     assert right_after["status"]["reloads"] == 1
+    still = run.reload["still_unreachable"]["status"]
+    assert still["weight_version"] == "unknown", still
+    assert still["switches"][-1] == right_after["status"]["switches"][-1], still  # no switch
     for s in right_after["statuses"]:
         assert s["reloads"] == 1 and s["refused"] is None and s["following"], s
         assert s["proof"]["failures"] == [], s["proof"]
