@@ -19,9 +19,12 @@ import gc
 import hashlib
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -232,6 +235,32 @@ def generate(llm: Any, prompts: list[str]) -> list[dict[str, Any]]:
 
 
 # -- the OpenAI-compatible API server, as a user starts it --------------------------------------
+
+
+def free_port() -> int:
+    """A loopback port free right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def get_json(url: str) -> tuple[int, Any]:
+    """(HTTP status, JSON body) of a GET, error statuses included."""
+    try:
+        with urllib.request.urlopen(url, timeout=5) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+def complete(api: str, model: str) -> dict[str, Any]:
+    """One short greedy completion through an API server's OpenAI endpoint."""
+    body = json.dumps({"model": model, "prompt": "the policy reward", "max_tokens": 6,
+                       "temperature": 0}).encode()
+    req = urllib.request.Request(api + "/v1/completions", body,
+                                 {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as resp:
+        return dict(json.loads(resp.read()))
 
 
 @dataclass

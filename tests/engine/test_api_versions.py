@@ -16,7 +16,6 @@ tokens into the next request: the first tokens come from the old step, the rest 
 from __future__ import annotations
 
 import json
-import socket
 import time
 import urllib.error
 import urllib.request
@@ -29,17 +28,11 @@ from examples.toymodel import build_model
 from vllm_deltasync import DeltaPublisher
 from vllm_deltasync.server.engine.coordinator import SWITCH_EVERY_STEPS_ENV
 
-from .conftest import ApiServer, Trainer, api_server, requires_vllm
+from .conftest import ApiServer, Trainer, api_server, free_port, requires_vllm
 
 EVERY = 4  # model steps between switch ticks
 TOKENS = 24
 PROMPT = [5, 17, 42, 99, 7, 3, 250, 11]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _post(url: str, body: dict[str, Any]) -> Any:
@@ -125,7 +118,7 @@ def test_generate_endpoint_weight_versions_follow_the_switches(tmp_path: Path) -
     model_dir = build_model(tmp_path / "model", "qwen2", seed=11)
     trainer = Trainer(model_dir, lr=1e-5, seed=11)
     url = f"file://{tmp_path}/bucket"
-    port = _free_port()
+    port = free_port()
     metrics = f"http://127.0.0.1:{port}"
     env = {"VLLM_DELTASYNC_URL": url, "VLLM_DELTASYNC_POLL_INTERVAL_S": "0.2",
            "VLLM_DELTASYNC_METRICS_PORT": str(port), "VLLM_DELTASYNC_METRICS_HOST": "127.0.0.1",

@@ -26,7 +26,7 @@ from examples.toymodel import build_model
 from vllm_deltasync import DeltaPublisher
 from vllm_deltasync.config import SyncConfig
 
-from .conftest import EXTENSION, ApiServer, Trainer, api_server, requires_vllm
+from .conftest import EXTENSION, ApiServer, Trainer, api_server, get_json, requires_vllm
 
 
 def _free_ports(n: int) -> int:
@@ -50,14 +50,6 @@ def _free_ports(n: int) -> int:
             for sk in socks:
                 sk.close()
     raise RuntimeError("no free port range")
-
-
-def _get_json(url: str) -> tuple[int, Any]:
-    try:
-        with urllib.request.urlopen(url, timeout=5) as resp:
-            return resp.status, json.loads(resp.read())
-    except urllib.error.HTTPError as exc:
-        return exc.code, json.loads(exc.read())
 
 
 def _vllm_config(*, moe: bool, dp: int, index: int, url: str, port: int) -> Any:
@@ -122,7 +114,7 @@ def test_moe_engine_core_at_data_parallel_refuses_without_starting_a_rank(tmp_pa
         assert not coord.active and "data parallel size 2" in coord.last_error
         coord.tick()
         assert calls == ["deltasync_stop"]
-        code, body = _get_json(f"http://127.0.0.1:{port + 1}/synced")
+        code, body = get_json(f"http://127.0.0.1:{port + 1}/synced")
         assert code == 503 and not body["synced"]
         assert "--data-parallel-size" in body["coordinator"]["last_error"]
         assert "MoE" in body["ranks"][0]["last_error"]
@@ -141,7 +133,7 @@ def _wait_synced(metrics: list[str], step: int, server: ApiServer) -> list[dict[
         bodies = []
         for m in metrics:
             try:
-                code, body = _get_json(m + "/synced")
+                code, body = get_json(m + "/synced")
             except OSError:
                 break
             if code != 200 or any(r["applied_step"] != step for r in body["ranks"]):

@@ -21,7 +21,6 @@ coordinator while the ticks keep failing, and the engine recovers through the ne
 from __future__ import annotations
 
 import json
-import socket
 import time
 import urllib.error
 import urllib.request
@@ -40,6 +39,7 @@ from .conftest import (
     close_llm,
     engine_env,
     engine_status,
+    free_port,
     generate,
     long_prompts,
     make_llm,
@@ -52,12 +52,6 @@ def _digests_equal_checkpoint(llm: Any, ckpt: Path) -> bool:
     live = llm.collective_rpc("deltasync_weight_digests")
     want = llm.collective_rpc("deltasync_checkpoint_digests", args=(str(ckpt),))
     return bool(live) and live == want
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _get(url: str) -> tuple[int, str]:
@@ -85,7 +79,7 @@ def test_failed_switch_is_taken_back_and_the_engine_keeps_serving(tmp_path: Path
     trainer = Trainer(model_dir, lr=1e-5, seed=21)
     url = f"file://{tmp_path}/bucket"
     prompts = long_prompts(2, seed=21)
-    port = _free_port()
+    port = free_port()
     base = f"http://127.0.0.1:{port}"
     with DeltaPublisher(url, anchor_every=5) as pub, engine_env(
         tmp_path, tp, {FAILPOINT_ENV: "1:3:2", FAIL_SWITCH_ENV: "7:10"}, url=url,

@@ -26,7 +26,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -42,7 +41,7 @@ import pytest
 from examples.toymodel import build_model
 from vllm_deltasync import DeltaPublisher
 
-from .conftest import EXTENSION, Trainer, open_bucket, requires_vllm
+from .conftest import EXTENSION, Trainer, complete, free_port, open_bucket, requires_vllm
 
 STEPS = 2
 
@@ -62,27 +61,12 @@ if __name__ == "__main__":
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _get(url: str) -> tuple[int, bytes]:
     try:
         with urllib.request.urlopen(url, timeout=5) as resp:
             return resp.status, resp.read()
     except urllib.error.HTTPError as exc:
         return exc.code, exc.read()
-
-
-def _complete(api: str, model: str) -> dict[str, Any]:
-    body = json.dumps({"model": model, "prompt": "the policy reward", "max_tokens": 6,
-                       "temperature": 0}).encode()
-    req = urllib.request.Request(api + "/v1/completions", body,
-                                 {"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=60) as resp:
-        return json.loads(resp.read())
 
 
 class Nodes:
@@ -106,7 +90,7 @@ class Nodes:
 def two_nodes(tmp: Path, model_dir: Path, env: dict[str, str], api_port: int) -> Iterator[Nodes]:
     """Start node 1 (headless) and node 0 (API server) of one TP=2 engine; kill both process
     groups on exit."""
-    master_port = _free_port()
+    master_port = free_port()
     common = ["--model", str(model_dir), "--tensor-parallel-size", "2", "--nnodes", "2",
               "--master-addr", "127.0.0.1", "--master-port", str(master_port),
               "--worker-extension-cls", EXTENSION, "--enforce-eager", "--max-model-len", "512",
@@ -166,7 +150,7 @@ def test_two_nodes_follow_with_a_cache_per_node(request: pytest.FixtureRequest,
     model_dir = build_model(tmp_path / "model", "qwen2", seed=31)
     trainer = Trainer(model_dir, lr=1e-5, seed=31)
     bucket = open_bucket("hf", request, tmp_path)
-    api_port, metrics_port = _free_port(), _free_port()
+    api_port, metrics_port = free_port(), free_port()
     cache_dir = tmp_path / "nodecache"
     env = {**bucket.worker_env, "VLLM_DELTASYNC_URL": bucket.url,
            "VLLM_DELTASYNC_POLL_INTERVAL_S": "0.2",
@@ -188,14 +172,14 @@ def test_two_nodes_follow_with_a_cache_per_node(request: pytest.FixtureRequest,
         with two_nodes(tmp_path, model_dir, env, api_port) as nodes:
             _wait(nodes, "API server health", lambda: _get(api + "/health")[0] == 200, 240)
             _wait(nodes, "step 0 on both ranks", lambda: synced(0))
-            assert _complete(api, str(model_dir))["choices"]
+            assert complete(api, str(model_dir))["choices"]
             for step in range(1, STEPS + 1):
                 trainer.step()
                 pub.publish(step, trainer.named_tensors())
                 pub.flush()
                 ranks = _wait(nodes, f"step {step} on both ranks", lambda s=step: synced(s))
                 assert all(r["last_error"] is None for r in ranks), ranks
-                assert _complete(api, str(model_dir))["choices"][0]["text"] is not None
+                assert complete(api, str(model_dir))["choices"][0]["text"] is not None
             text = _get(metrics + "/metrics")[1].decode()
             node1_pid = nodes.procs[1].pid
             roots = [p for digest in cache_dir.iterdir() for p in digest.iterdir()]

@@ -7,8 +7,6 @@ step every rank runs, and completions keep being served.
 
 from __future__ import annotations
 
-import json
-import socket
 import time
 import urllib.request
 from pathlib import Path
@@ -19,30 +17,7 @@ import pytest
 from examples.toymodel import build_model
 from vllm_deltasync import DeltaPublisher
 
-from .conftest import ApiServer, Trainer, api_server, requires_vllm
-
-
-def _get_json(url: str) -> tuple[int, Any]:
-    try:
-        with urllib.request.urlopen(url, timeout=5) as resp:
-            return resp.status, json.loads(resp.read())
-    except urllib.error.HTTPError as exc:
-        return exc.code, json.loads(exc.read())
-
-
-def _complete(api: str, model: str) -> dict[str, Any]:
-    body = json.dumps({"model": model, "prompt": "the policy reward", "max_tokens": 6,
-                       "temperature": 0}).encode()
-    req = urllib.request.Request(api + "/v1/completions", body,
-                                 {"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=60) as resp:
-        return json.loads(resp.read())
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from .conftest import ApiServer, Trainer, api_server, complete, free_port, get_json, requires_vllm
 
 
 def _wait_synced(metrics: str, step: int, server: ApiServer) -> dict[str, Any]:
@@ -51,7 +26,7 @@ def _wait_synced(metrics: str, step: int, server: ApiServer) -> dict[str, Any]:
         if server.proc.poll() is not None:
             pytest.fail("server exited:\n" + server.log_tail())
         try:
-            code, body = _get_json(metrics + "/synced")
+            code, body = get_json(metrics + "/synced")
             if code == 200 and all(r["applied_step"] == step for r in body["ranks"]):
                 return body
         except OSError:
@@ -66,7 +41,7 @@ def test_openai_server_follows_bucket_with_env_only(tmp_path: Path) -> None:
     model_dir = build_model(tmp_path / "model", "qwen2", seed=7)
     trainer = Trainer(model_dir, lr=1e-5, seed=7)
     url = f"file://{tmp_path}/bucket"
-    metrics_port = _free_port()
+    metrics_port = free_port()
     env = {"VLLM_DELTASYNC_URL": url, "VLLM_DELTASYNC_POLL_INTERVAL_S": "0.2",
            "VLLM_DELTASYNC_METRICS_PORT": str(metrics_port),
            "VLLM_DELTASYNC_METRICS_HOST": "127.0.0.1"}
@@ -76,14 +51,14 @@ def test_openai_server_follows_bucket_with_env_only(tmp_path: Path) -> None:
         pub.flush()
         with api_server(tmp_path, model_dir, env) as server:
             _wait_synced(metrics, 0, server)
-            first = _complete(server.url, str(model_dir))
+            first = complete(server.url, str(model_dir))
             for step in range(1, 5):
                 trainer.step()
                 pub.publish(step, trainer.named_tensors())
                 pub.flush()
                 body = _wait_synced(metrics, step, server)
                 assert body["ranks"][0]["last_error"] is None
-                assert _complete(server.url, str(model_dir))["choices"][0]["text"] is not None
+                assert complete(server.url, str(model_dir))["choices"][0]["text"] is not None
             with urllib.request.urlopen(metrics + "/metrics", timeout=5) as resp:
                 text = resp.read().decode()
     assert first["choices"]
