@@ -28,6 +28,7 @@ BENCHMARKS = {
     "codec": "bytes per changed element and per step (v1, v2, v3; payload and all bytes), dense fallback, encode/decode vs memcpy, GPU apply",
     "publisher": "publish() and upload cost per training step, bytes per step",
     "apply": "engine pause per delta vs full reload_weights; peak extra host memory vs delta size",
+    "peers": "our scatter vs vLLM's load_checkpoint_weight_patches and reload_weights on one engine, at ~0.5% and ~3%, and the memory floor",
     "download": "download throughput vs plain parallel GET",
     "moe": "per-expert cost: shard map build with learned CPU MoE layouts, one step's apply, layout memory",
     "scale": "1T MoE scale model: one EP rank's real expert share over hf://, requests, bytes, publish/download/decode/apply, extrapolated per node and fleet",
