@@ -33,6 +33,7 @@ prepacked linear kernels (tests/engine/test_follow.py).
 from __future__ import annotations
 
 import json
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -105,8 +106,10 @@ def _follow(tmp_path: Path, model: str, tp: int, *, reload: bool = False) -> Run
     model_dir = build_model(tmp_path / "model", seed=SEED + tp, **MODELS[model])
     trainer = Trainer(model_dir, lr=1e-4, seed=SEED + tp)
     run = Run(model, tp, f"file://{tmp_path}/bucket")
+    # the sparse-patch write behind our back is a function sent to the worker (test only)
+    extra = {"VLLM_ALLOW_INSECURE_SERIALIZATION": "1"} if reload else None
     with DeltaPublisher(run.url, anchor_every=5) as pub, \
-            engine_env(tmp_path, tp, url=run.url, poll_interval_s=0.2, metrics_port=0):
+            engine_env(tmp_path, tp, extra, url=run.url, poll_interval_s=0.2, metrics_port=0):
         pub.publish(0, _checkpoint_tensors(model_dir))
         pub.flush()
         llm = make_llm(model_dir, tp, extension=True)
@@ -152,6 +155,41 @@ def _reload_behind_its_back(llm: Any, run: Run, bucket: Path) -> None:
     statuses = wait_applied(llm, STEPS, timeout_s=120)
     run.reload["resynced"] = {"status": engine_status(llm), "statuses": statuses}
     run.reload["outputs"] = generate(llm, PROMPTS)
+    # then vLLM's sparse patch loader (load_checkpoint_weight_patches, through the model's own
+    # load_weights) changes one element of the final norm, again with the bucket out of reach
+    import cloudpickle  # vLLM's dependency: sends the function to the worker
+
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    bucket.rename(hidden)
+    try:
+        llm.collective_rpc(_patch_one_element, args=("model.norm.weight",))
+        run.reload["patched"] = {"status": engine_status(llm),
+                                 "statuses": llm.collective_rpc("deltasync_status"),
+                                 "outputs": generate(llm, PROMPTS)}
+    finally:
+        hidden.rename(bucket)
+    wait_applied(llm, STEPS, timeout_s=120)
+    run.reload["patch_resynced"] = {"status": engine_status(llm),
+                                    "outputs": generate(llm, PROMPTS)}
+
+
+def _patch_one_element(worker: Any, name: str) -> None:
+    """Runs in the worker (sent by value): element 0 of checkpoint tensor ``name`` becomes
+    8.0, written by vLLM's own sparse checkpoint-patch loader."""
+    import torch
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.model_loader.checkpoint_weight_patch import (
+        CheckpointWeightPatch,
+        load_checkpoint_weight_patches,
+    )
+
+    model = worker.model_runner.model
+    shape = tuple(dict(model.named_parameters())[name].shape)
+    patch = CheckpointWeightPatch(name, shape, torch.bfloat16,
+                                  torch.tensor([8.0], dtype=torch.bfloat16),
+                                  torch.tensor([0], dtype=torch.int64))
+    with set_current_vllm_config(worker.vllm_config):
+        load_checkpoint_weight_patches(model, [patch])
 
 
 def _check_proof(run: Run) -> None:
@@ -304,3 +342,21 @@ def test_reload_weights_behind_its_back_resyncs_through_an_anchor(
     _same(run, STEPS, refs[STEPS],
           "a fresh engine on the final checkpoint (after the reload and the resync)",
           got_outputs=run.reload["outputs"])
+
+
+def test_sparse_patch_behind_its_back_resyncs_too(tp1_runs: dict[str, Any]) -> None:
+    """vLLM's ``load_checkpoint_weight_patches`` on the same follower (one element of the final
+    norm): it writes through the model's ``load_weights``, which moves no version counter, so
+    only the watched ``load_weights`` sees it. The label is withdrawn while the bucket is out of
+    reach, and the answers really changed (the write landed); once the bucket is back the
+    server resyncs through the anchor and answers like a fresh engine on the final step."""
+    run, refs = tp1_runs["mixtral"]
+    patched, back = run.reload["patched"], run.reload["patch_resynced"]
+    assert patched["status"]["weight_version"] == "unknown", patched["status"]
+    assert patched["status"]["reloads"] == 2
+    assert all(s["reloads"] == 2 and s["refused"] is None for s in patched["statuses"])
+    assert ([o["prompt_logprobs"] for o in patched["outputs"]]
+            != [o["prompt_logprobs"] for o in refs[STEPS]]), "the patch changed nothing"
+    assert back["status"]["weight_version"] == str(STEPS)
+    _same(run, STEPS, refs[STEPS], "a fresh engine on the final checkpoint (after the patch "
+          "and the resync)", got_outputs=back["outputs"])

@@ -44,6 +44,7 @@ import dataclasses
 import functools
 import logging
 import os
+import threading
 from collections.abc import Iterable
 from typing import Any
 
@@ -109,7 +110,7 @@ class DeltaSyncExtension:
             return state.record_step(lambda: inner(scheduler_output, *args, **kwargs), tokens)
 
         w.execute_model = execute_model
-        _wrap_reload(w, state)
+        _watch_weight_writes(w, state)
         classes = state.prove_values()
         out = self.deltasync_status()
         out["proof_classes"] = classes
@@ -364,22 +365,41 @@ def _stage_index(worker: Any) -> int:
     return int(getattr(worker, "rank", 0)) // tp
 
 
-def _wrap_reload(worker: Any, state: RankState) -> None:
-    """Catch vLLM's in-place ``reload_weights`` behind our back: after it, re-prove and resync
-    through the newest anchor (``RankState.check_reload``)."""
+def _watch_weight_writes(worker: Any, state: RankState) -> None:
+    """Catch vLLM writing the weights behind our back, then re-prove and resync through the
+    newest anchor (``RankState.check_reload``): ``reload_weights`` (the runner's in-place
+    reload) and any call of the model's own ``load_weights`` (what vLLM's sparse
+    ``load_checkpoint_weight_patches`` and a user's worker function go through). Their loaders
+    write through ``param.data``, which moves no version counter, so these calls are the only
+    trace. Only the outermost call counts (a reload runs ``load_weights`` inside), and our own
+    probe's calls (``RankState.probing``) never do."""
     runner = worker.model_runner
-    inner = getattr(runner, "reload_weights", None)
-    if inner is None or getattr(inner, "_deltasync_wrapped", False):
-        return
+    depth = threading.local()
 
-    def reload_weights(*args: Any, **kwargs: Any) -> Any:
-        try:
-            return inner(*args, **kwargs)
-        finally:
-            _after_reload(worker, state)
+    def watched(inner: Any) -> Any:
+        @functools.wraps(inner)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            outer = getattr(depth, "n", 0)
+            depth.n = outer + 1
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                depth.n = outer
+                if outer == 0 and not state.probing:
+                    _after_reload(worker, state)
 
-    reload_weights._deltasync_wrapped = True  # type: ignore[attr-defined]
-    runner.reload_weights = reload_weights
+        call._deltasync_wrapped = True  # type: ignore[attr-defined]
+        return call
+
+    reload = getattr(runner, "reload_weights", None)
+    if reload is not None and not getattr(reload, "_deltasync_wrapped", False):
+        runner.reload_weights = watched(reload)
+    get_model = getattr(runner, "get_model", None)
+    models = [state.model] + ([get_model()] if callable(get_model) else [])
+    for model in {id(m): m for m in models if m is not None}.values():
+        load = getattr(model, "load_weights", None)
+        if load is not None and not getattr(load, "_deltasync_wrapped", False):
+            model.load_weights = watched(load)
 
 
 def _after_reload(worker: Any, state: RankState) -> None:

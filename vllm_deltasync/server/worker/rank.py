@@ -84,6 +84,8 @@ class RankState:
         """Why this rank does not follow (its startup proof, or another rank's, failed)."""
         self.report: ProofReport | None = None
         self.following = False
+        self.probing = False
+        """True while our own probe runs the model's ``load_weights`` (no write behind our back)."""
         self.shardmap = self._build_map()
         self.param_ids = _param_ids(self.model)
         self.param_versions = _param_versions(self.model)
@@ -112,14 +114,18 @@ class RankState:
         """Learn the layouts kernels rearranged parameters into, then probe the loaders."""
         from vllm_deltasync.server.worker.shardmap import ShardMap
 
-        specs: dict[str, LayoutSpec] = {}
-        if self._layout_specs is not None and not os.environ.get(NO_LAYOUTS_ENV):
-            params = dict(self.model.named_parameters(remove_duplicate=False))
-            for name, spec in self._layout_specs().items():
-                layout = self.layouts.learn(spec, params[name])
-                if not layout.identity:
-                    specs[name] = spec
-        return ShardMap.from_model(self.model, self.checkpoint, specs)
+        self.probing = True
+        try:
+            specs: dict[str, LayoutSpec] = {}
+            if self._layout_specs is not None and not os.environ.get(NO_LAYOUTS_ENV):
+                params = dict(self.model.named_parameters(remove_duplicate=False))
+                for name, spec in self._layout_specs().items():
+                    layout = self.layouts.learn(spec, params[name])
+                    if not layout.identity:
+                        specs[name] = spec
+            return ShardMap.from_model(self.model, self.checkpoint, specs)
+        finally:
+            self.probing = False
 
     # ------------------------------------------------------------- the startup proof
     def prove_values(self) -> list[str]:

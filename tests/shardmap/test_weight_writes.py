@@ -1,0 +1,78 @@
+"""Writes behind our back through vLLM's own loaders are seen (server/extension.py).
+
+vLLM's loaders write through ``param.data``, which moves no version counter, so a rank sees a
+write made outside deltasync only because the calls are watched: the runner's
+``reload_weights`` and the model's ``load_weights`` (what vLLM's sparse
+``load_checkpoint_weight_patches`` goes through). A real ``RankState`` on vLLM's own Llama
+module; the worker and runner objects are stand-ins for vLLM's (their attributes only).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+from vllm_deltasync.config import SyncConfig
+from vllm_deltasync.server.worker.rank import RankState
+
+from .conftest import TPWorld, random_checkpoint
+
+
+def _rank(tp_world: TPWorld, tmp_path: Path) -> tuple[RankState, Any, dict[str, torch.Tensor]]:
+    params = tp_world.model("llama_gqa").checkpoint_params()
+    weights = random_checkpoint(params, seed=21)
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    save_file(weights, str(ckpt / "model.safetensors"))
+    live = tp_world.build("llama_gqa", 1, 0)
+    live.load_weights(iter(weights.items()))
+
+    def reload_weights(weights_iterator: Any) -> None:  # as vLLM's runner: load_weights inside
+        live.load_weights(weights_iterator)
+
+    worker = SimpleNamespace(
+        rank=0, model_runner=SimpleNamespace(model=live, reload_weights=reload_weights),
+        vllm_config=SimpleNamespace(model_config=SimpleNamespace(model=str(ckpt))))
+    state = RankState(worker, SyncConfig(url=f"file://{tmp_path}/bucket"))
+    return state, worker, weights
+
+
+def test_load_weights_and_reload_behind_our_back_each_count_once(
+        tp_world: TPWorld, tmp_path: Path) -> None:
+    from vllm.model_executor.model_loader.checkpoint_weight_patch import (
+        CheckpointWeightPatch,
+        load_checkpoint_weight_patches,
+    )
+
+    from vllm_deltasync.server.extension import _watch_weight_writes
+
+    state, worker, weights = _rank(tp_world, tmp_path)
+    try:
+        _watch_weight_writes(worker, state)
+        _watch_weight_writes(worker, state)  # idempotent: still one count per call
+        model = worker.model_runner.model
+        assert state.reloads == 0
+        # vLLM's sparse patch loader, one element of the final norm
+        name = "model.norm.weight"
+        patch = CheckpointWeightPatch(name, tuple(weights[name].shape), torch.bfloat16,
+                                      torch.tensor([8.0], dtype=torch.bfloat16),
+                                      torch.tensor([0]))
+        load_checkpoint_weight_patches(model, [patch])
+        assert float(dict(model.named_parameters())[name].detach().reshape(-1)[0]) == 8.0
+        assert state.reloads == 1  # the map was rebuilt (our probe's calls did not count)
+        assert state.status()["reloads"] == 1
+        # a reload runs load_weights inside: one count, not two
+        worker.model_runner.reload_weights(iter(weights.items()))
+        assert state.reloads == 2
+        # a plain load_weights by hand
+        model.load_weights(iter([(name, weights[name])]))
+        assert state.reloads == 3
+        # our own map rebuild (the probe runs load_weights) is not a write behind our back
+        state.shardmap = state._build_map()
+        assert state.reloads == 3
+    finally:
+        state.poller.close()
