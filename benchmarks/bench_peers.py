@@ -13,8 +13,8 @@ the last one is then written again, on the same engine and from memory, by:
   staging a full NaN-filled tensor per patched tensor;
 * **vLLM's reload**: ``model_runner.reload_weights`` with that step's full tensors.
 
-The peers are called on the model runner's class, past the extension's reload detection, so
-the rank does not resync after them; they write the values the weights already hold, and the
+The peers are called past the extension's watch of ``reload_weights`` and ``load_weights``,
+so the rank does not resync after them; they write the values the weights already hold, and the
 digests are checked against the step's checkpoint afterwards. Peak extra RSS: the worker's
 VmHWM growth during each call.
 
@@ -87,10 +87,16 @@ def _worker_peers(worker: Any, prev_path: str, new_path: str, repeats: int) -> d
             peak = max(peak, _proc_status("VmHWM", pid) - before)
         return statistics.median(times), peak
 
-    with set_current_vllm_config(worker.vllm_config), torch.no_grad():
-        patch_s, patch_peak = timed(lambda: load_checkpoint_weight_patches(model, patches))
-        reload_s, reload_peak = timed(lambda: type(runner).reload_weights(
-            runner, weights_iterator=iter(new.items()), is_checkpoint_format=True))
+    # past the extension's watch of load_weights (an instance attribute over the class's)
+    watched = model.__dict__.pop("load_weights", None)
+    try:
+        with set_current_vllm_config(worker.vllm_config), torch.no_grad():
+            patch_s, patch_peak = timed(lambda: load_checkpoint_weight_patches(model, patches))
+            reload_s, reload_peak = timed(lambda: type(runner).reload_weights(
+                runner, weights_iterator=iter(new.items()), is_checkpoint_format=True))
+    finally:
+        if watched is not None:
+            model.load_weights = watched
     src = torch.empty(128 << 20, dtype=torch.int16)
     dst = torch.empty_like(src)
     dst.copy_(src)
