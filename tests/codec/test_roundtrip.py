@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -12,7 +14,7 @@ from vllm_deltasync.format.codec import TensorPatch
 from vllm_deltasync.format.codecs import get_codec
 from vllm_deltasync.format.sparse_v2 import SparseV2Codec
 
-from .conftest import SPECIAL_BITS, bits_to_bf16
+from .conftest import SPECIAL_BITS, bits_to_bf16, publish_and_read_back
 
 SPARSE = {
     "sparse-v1": get_codec("sparse-v1"),
@@ -169,31 +171,7 @@ def test_v2_rejects_corrupt_frames_and_meta(gen: torch.Generator) -> None:
         codec.encode(idx.flip(0), new, old)
 
 
-def test_publisher_and_reader_carry_v2(tmp_path, gen: torch.Generator) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("codec", ["sparse-v2", "sparse-v3"])
+def test_publisher_and_reader_carry_the_codec(tmp_path: Path, codec: str) -> None:
     """End to end through the real publisher and reader on a file:// bucket."""
-    from vllm_deltasync._loop import run_sync
-    from vllm_deltasync.format.reader import BucketReader
-    from vllm_deltasync.trainer.publisher import DeltaPublisher
-
-    url = f"file://{tmp_path}/bucket"
-    w = {"a": torch.randn(64, 48, generator=gen).to(torch.bfloat16), "b": torch.randn(300, generator=gen).to(torch.bfloat16)}
-    states = []
-    with DeltaPublisher(url, codec="sparse-v2", anchor_every=3) as pub:
-        for step in range(5):
-            for t in w.values():
-                flat = t.view(-1).view(torch.int16)
-                pick = torch.randint(0, flat.numel(), (flat.numel() // 20,), generator=gen)
-                flat[pick] += 1
-            pub.publish(step, w)
-            states.append({k: v.clone() for k, v in w.items()})
-
-    async def read(step: int) -> dict[str, torch.Tensor]:
-        async with BucketReader.open(url) as reader:
-            m = await reader.manifest(step)
-            assert m.kind == "delta" and {t.encoding for t in m.tensors} == {"sparse-v2"}
-            return await reader.read_full(step)
-
-    for step in (2, 4):
-        got = run_sync(read(step))
-        for k, v in states[step].items():
-            assert torch.equal(got[k].view(torch.int16), v.view(torch.int16)), (step, k)
+    publish_and_read_back(tmp_path, codec)

@@ -16,7 +16,7 @@ from vllm_deltasync.format.codecs import CODECS, decode_chunk, get_codec
 from vllm_deltasync.format.manifest import Chunk, Manifest, Region, TensorEntry
 from vllm_deltasync.format.sparse_v3 import SparseV3Codec
 
-from .conftest import SPECIAL_BITS, bits_to_bf16
+from .conftest import SPECIAL_BITS, bits_to_bf16, publish_and_read_back
 from .test_roundtrip import deltas
 
 V3 = get_codec("sparse-v3")
@@ -305,34 +305,7 @@ def test_decoded_indices_must_stay_in_the_region() -> None:
 
 
 def test_publisher_round_trip_and_requires(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    from vllm_deltasync._loop import run_sync
-    from vllm_deltasync.format.reader import BucketReader
-    from vllm_deltasync.trainer.publisher import DeltaPublisher
-
-    gen = torch.Generator().manual_seed(0)
-    url = f"file://{tmp_path}/bucket"
-    w = {"a": torch.randn(64, 48, generator=gen).to(torch.bfloat16),
-         "b": torch.randn(3000, generator=gen).to(torch.bfloat16)}
-    states = []
-    with DeltaPublisher(url, codec="sparse-v3", anchor_every=3) as pub:
-        for step in range(5):
-            for t in w.values():
-                flat = t.view(-1).view(torch.int16)
-                pick = torch.randint(0, flat.numel(), (flat.numel() // 20,), generator=gen)
-                flat[pick] += 1
-            pub.publish(step, w)
-            states.append({k: v.clone() for k, v in w.items()})
-
-    async def read(step: int) -> dict[str, torch.Tensor]:
-        async with BucketReader.open(url) as reader:
-            m = await reader.manifest(step)
-            assert m.kind == "delta" and {t.encoding for t in m.tensors} == {"sparse-v3"}
-            return await reader.read_full(step)
-
-    for step in (2, 4):
-        got = run_sync(read(step))
-        for k, v in states[step].items():
-            assert torch.equal(got[k].view(torch.int16), v.view(torch.int16)), (step, k)
+    publish_and_read_back(tmp_path, "sparse-v3")
     delta = (tmp_path / "bucket" / "manifests" / f"{4:012d}.json").read_bytes()
     anchor = (tmp_path / "bucket" / "manifests" / f"{3:012d}.json").read_bytes()
     assert json.loads(delta)["requires"] == "vllm-deltasync>=0.3.0"
