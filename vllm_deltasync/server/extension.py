@@ -160,8 +160,16 @@ class DeltaSyncExtension:
 
     def deltasync_status(self) -> dict[str, Any]:
         """This rank's status: applied/staged/newest step, last error, counters (metrics.py).
-        Reading it changes nothing."""
-        return self._deltasync_state().status()
+        Reading it changes nothing, except that a write behind our back noted since the last
+        call is settled first (``RankState.settle_writes``: counted in ``reloads``)."""
+        state = self._deltasync_state()
+        state.settle_writes()
+        if state.reloads != getattr(self, "_deltasync_reloads_logged", 0):
+            self._deltasync_reloads_logged = state.reloads
+            logger.warning("deltasync rank %d: weights written outside deltasync; layouts "
+                           "learned again, shard map rebuilt, resyncing through the newest "
+                           "anchor", state.rank)
+        return state.status()
 
     def deltasync_ready(self) -> list[int]:
         """Steps staged and fully prepared on this rank, in apply order."""
@@ -372,7 +380,9 @@ def _watch_weight_writes(worker: Any, state: RankState) -> None:
     ``load_checkpoint_weight_patches`` and a user's worker function go through). Their loaders
     write through ``param.data``, which moves no version counter, so these calls are the only
     trace. Only the outermost call counts (a reload runs ``load_weights`` inside), and our own
-    probe's calls (``RankState.probing``) never do."""
+    probe's calls (``RankState.probing``) never do. The write is settled (counted, the map
+    rebuilt) at the engine core's next ``deltasync_status``, which it sends right after any
+    such call and before the next batch (``RankState.settle_writes``)."""
     runner = worker.model_runner
     depth = threading.local()
 
@@ -386,7 +396,7 @@ def _watch_weight_writes(worker: Any, state: RankState) -> None:
             finally:
                 depth.n = outer
                 if outer == 0 and not state.probing:
-                    _after_reload(worker, state)
+                    state.written_behind = True  # settled at the next deltasync_status
 
         call._deltasync_wrapped = True  # type: ignore[attr-defined]
         return call
@@ -400,17 +410,6 @@ def _watch_weight_writes(worker: Any, state: RankState) -> None:
         load = getattr(model, "load_weights", None)
         if load is not None and not getattr(load, "_deltasync_wrapped", False):
             model.load_weights = watched(load)
-
-
-def _after_reload(worker: Any, state: RankState) -> None:
-    try:
-        if state.check_reload(reloaded=True):
-            logger.warning("deltasync rank %d: weights reloaded outside deltasync; layouts "
-                           "learned again, shard map rebuilt, resyncing through the newest anchor",
-                           state.rank)
-    except ApplyError as exc:
-        logger.error("deltasync rank %d refuses to follow after a reload: %s", state.rank, exc)
-        state.refuse(f"{type(exc).__name__}: {exc}")
 
 
 _QUIET_RPCS = frozenset({"deltasync_status", "deltasync_ready"})

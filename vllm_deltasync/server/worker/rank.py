@@ -86,6 +86,9 @@ class RankState:
         self.following = False
         self.probing = False
         """True while our own probe runs the model's ``load_weights`` (no write behind our back)."""
+        self.written_behind = False
+        """A watched vLLM loader wrote the weights (server/extension.py); settled by
+        :meth:`settle_writes` once the writer's call is over."""
         self.shardmap = self._build_map()
         self.param_ids = _param_ids(self.model)
         self.param_versions = _param_versions(self.model)
@@ -196,6 +199,8 @@ class RankState:
         that moved their version counters. The applied step is then unknown: the layouts are
         learned again, the shard map rebuilt, and the rank resyncs through the newest anchor
         (the engine core proves the rebuilt map again, :meth:`start_reproof`)."""
+        reloaded = reloaded or self.written_behind
+        self.written_behind = False
         if (not reloaded and _param_ids(self.model) == self.param_ids
                 and _param_versions(self.model) == self.param_versions):
             return False
@@ -209,6 +214,19 @@ class RankState:
         self.param_ids = _param_ids(self.model)
         self.param_versions = _param_versions(self.model)
         return True
+
+    def settle_writes(self) -> None:
+        """Main thread, at the engine core's next call after a watched loader wrote the weights
+        (``written_behind``): count the reload and rebuild the map now. Not inside the writer's
+        call: vLLM's sparse patch loader still has ``torch.Tensor.copy_`` replaced there, and
+        our probe would learn its NaN-masking write instead of the loader's. A rank whose
+        rebuilt map cannot place every tensor refuses (as at start)."""
+        if not self.written_behind:
+            return
+        try:
+            self.check_reload()
+        except ApplyError as exc:
+            self.refuse(f"{type(exc).__name__}: {exc}")
 
     def mark_written(self) -> None:
         """Our own writes moved the parameters' version counters: remember the new ones."""
