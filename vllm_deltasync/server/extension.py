@@ -164,11 +164,6 @@ class DeltaSyncExtension:
         call is settled first (``RankState.settle_writes``: counted in ``reloads``)."""
         state = self._deltasync_state()
         state.settle_writes()
-        if state.reloads != getattr(self, "_deltasync_reloads_logged", 0):
-            self._deltasync_reloads_logged = state.reloads
-            logger.warning("deltasync rank %d: weights written outside deltasync; layouts "
-                           "learned again, shard map rebuilt, resyncing through the newest "
-                           "anchor", state.rank)
         return state.status()
 
     def deltasync_ready(self) -> list[int]:

@@ -8,6 +8,7 @@ worker's ``_deltasync`` attribute. It reads a few attributes of the vLLM worker 
 from __future__ import annotations
 
 import collections
+import logging
 import os
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -25,6 +26,8 @@ from vllm_deltasync.server.worker.layouts import LayoutCache, LayoutSpec
 from vllm_deltasync.server.worker.proof import ProofReport
 from vllm_deltasync.server.worker.shardmap import Piece, ShardMap
 from vllm_deltasync.server.worker.state import Applied, PendingSwitch, SyncState
+
+logger = logging.getLogger(__name__)
 
 FAILPOINT_ENV = "DELTASYNC_TEST_FAIL_APPLY"
 """Test-only failpoint, ``"<rank>:<step>:<pieces>"``: that rank's apply of that step raises
@@ -213,6 +216,8 @@ class RankState:
         self.shardmap = self._build_map()
         self.param_ids = _param_ids(self.model)
         self.param_versions = _param_versions(self.model)
+        logger.warning("deltasync rank %d: weights written outside deltasync; layouts learned "
+                       "again, shard map rebuilt, resyncing through the newest anchor", self.rank)
         return True
 
     def settle_writes(self) -> None:
@@ -226,6 +231,8 @@ class RankState:
         try:
             self.check_reload()
         except ApplyError as exc:
+            logger.error("deltasync rank %d refuses to follow after a write behind its back: %s",
+                         self.rank, exc)
             self.refuse(f"{type(exc).__name__}: {exc}")
 
     def mark_written(self) -> None:
