@@ -94,6 +94,13 @@ class SyncConfig:
     """Where that cache lives; empty: ``/dev/shm/vllm-deltasync`` (RAM), or the system temp
     folder where there is no ``/dev/shm``."""
 
+    cpu_kernels: str = "inplace"
+    """CPU build only (no effect on GPUs): how linear layers compute while following
+    (``server/worker/packed.py``). ``packed``: vLLM's packed GEMM kernels, as a stock engine,
+    rebuilt for the layers a switch wrote (the switch pause grows by the repacking; the linear
+    weights are held twice). ``inplace``: no packing, the layers compute from their parameters
+    as on GPUs (writes visible at once; slower decode). benchmarks/RESULTS.md measures both."""
+
     store_options: dict[str, Any] = field(default_factory=dict, repr=False)
     """Options for the bucket backend, as a JSON object (``VLLM_DELTASYNC_STORE_OPTIONS=
     '{"addressing_style": "path"}'``): e.g. ``endpoint_url``/``region_name``/``addressing_style``
@@ -118,6 +125,10 @@ class SyncConfig:
             raise ConfigError(f"deltasync in_flight={self.in_flight!r}: use 'continue' or 'drain'")
         if self.node_cache not in ("auto", "on", "off"):
             raise ConfigError(f"deltasync node_cache={self.node_cache!r}: use 'auto', 'on' or 'off'")
+        if self.cpu_kernels not in ("packed", "inplace"):
+            raise ConfigError(
+                f"deltasync cpu_kernels={self.cpu_kernels!r}: use 'packed' or 'inplace'"
+            )
         if not isinstance(self.store_options, Mapping):
             raise ConfigError("deltasync store_options must be a JSON object of backend options")
         if not 0 <= self.metrics_port < 65536:

@@ -27,9 +27,11 @@ does two things, both idempotent and inert unless ``--worker-extension-cls`` nam
    (:func:`_unsupported_layout`).
 2. It replaces ``vllm.model_executor.layers.utils.dispatch_cpu_unquantized_gemm`` so that on the
    CPU build, when our extension is configured (read from the current vLLM config at load
-   time), 2-D linear weights are not prepacked: the parameter keeps its storage and is used
-   through ``torch.nn.functional.linear``. In-place writes then change what the model
-   computes, as on GPUs. Cost: 7-20% CPU throughput (docs/extension.md).
+   time), 2-D linear weights keep their storage (vLLM would free them after packing).
+   ``cpu_kernels="packed"``: vLLM's packed kernel is built from the kept weight, and rebuilt
+   for the layers a switch wrote (``server/worker/packed.py``). ``cpu_kernels="inplace"``: no
+   packing; the layer computes from its parameter through ``torch.nn.functional.linear``, as
+   on GPUs, so in-place writes are visible at once, at a decode-speed cost (docs/extension.md).
 
 Why every rank switches before the same batch: ``collective_rpc`` from the engine core goes
 through the same broadcast queue as ``execute_model``, and every worker runs them in order on
@@ -515,9 +517,13 @@ def _patch_cpu_gemm() -> None:
 
     def dispatch_cpu_unquantized_gemm(layer: torch.nn.Module, remove_weight: bool) -> None:
         weight = getattr(layer, "weight", None)
-        if (isinstance(weight, torch.Tensor) and weight.ndim == 2 and not weight.is_meta
-                and _active_config_is_ours()):
-            layer.cpu_linear = torch.nn.functional.linear  # type: ignore[assignment]
+        mode = _active_cpu_kernels()
+        if (mode is not None and isinstance(weight, torch.Tensor) and weight.ndim == 2
+                and not weight.is_meta):
+            if mode == "packed":
+                _install_packed(original, layer)
+            else:
+                layer.cpu_linear = torch.nn.functional.linear  # type: ignore[assignment]
             return
         original(layer, remove_weight)
 
@@ -525,10 +531,60 @@ def _patch_cpu_gemm() -> None:
     layer_utils.dispatch_cpu_unquantized_gemm = dispatch_cpu_unquantized_gemm
 
 
-def _active_config_is_ours() -> bool:
+def _active_cpu_kernels() -> str | None:
+    """``SyncConfig.cpu_kernels`` of the engine being built, None when it does not run our
+    extension or its deltasync config is invalid (the rank refuses at start; stock kernels)."""
     from vllm.config import get_current_vllm_config_or_none
 
-    return extension_configured(get_current_vllm_config_or_none())
+    from vllm_deltasync.errors import ConfigError
+
+    vllm_config = get_current_vllm_config_or_none()
+    if not extension_configured(vllm_config):
+        return None
+    try:
+        config = SyncConfig.from_sources(getattr(vllm_config, "additional_config", None),
+                                         os.environ)
+    except ConfigError:
+        return None
+    return config.cpu_kernels
+
+
+class _PackSource:
+    """What vLLM's CPU GEMM dispatch reads from a layer, so it packs without touching the
+    layer: the live weight (read only: ``remove_weight`` is False) and a private copy of the
+    bias (the sgl path converts the bias it is given to float32 in place)."""
+
+    def __init__(self, layer: torch.nn.Module) -> None:
+        self.weight = layer.weight
+        bias = getattr(layer, "bias", None)
+        self.bias = (torch.nn.Parameter(bias.detach().clone(), requires_grad=False)
+                     if isinstance(bias, torch.Tensor) else None)
+        self.cpu_linear: Any = None
+
+
+def _install_packed(original: Any, layer: torch.nn.Module) -> None:
+    """``cpu_kernels="packed"``: vLLM's own packed kernel for ``layer``, built from its live
+    weight, and a ``_deltasync_repack`` that builds a new one from the current weights
+    (``server/worker/packed.py`` swaps it in after a switch wrote the layer)."""
+    from vllm_deltasync.server.worker.packed import REPACK_ATTR
+
+    def repack() -> Any:
+        source = _PackSource(layer)
+        original(source, False)
+        kernel = source.cpu_linear
+        live_bias = getattr(layer, "bias", None)
+        if source.bias is None or (isinstance(live_bias, torch.Tensor)
+                                   and source.bias.dtype == live_bias.dtype):
+            return kernel
+        packed_bias = source.bias  # the kernel wants its own (float32) copy of the bias
+
+        def linear(x: torch.Tensor, weight: torch.Tensor, bias: Any) -> torch.Tensor:
+            return kernel(x, weight, packed_bias)
+
+        return linear
+
+    layer.cpu_linear = repack()  # type: ignore[assignment]
+    setattr(layer, REPACK_ATTR, repack)
 
 
 def _patch_engine_core() -> None:

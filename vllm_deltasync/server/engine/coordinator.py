@@ -341,6 +341,7 @@ class Coordinator:
         record = {"step": step, "pause_s": pause_s, "at": time.time(),
                   "steps": results[0].get("steps"), "kinds": results[0].get("kinds"),
                   "apply_s": [r.get("apply_s") for r in results],
+                  "repack_s": [r.get("repack_s") for r in results],
                   "downloaded_bytes": [r.get("downloaded_bytes") for r in results],
                   "changed": results[0].get("changed"), "numel": results[0].get("numel")}
         self.switches.append(record)

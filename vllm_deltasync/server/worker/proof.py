@@ -42,6 +42,12 @@ from vllm_deltasync.format.codec import TensorPatch
 from vllm_deltasync.server.worker.shardmap import Piece, ShardMap, Target
 
 Forward = Callable[[], torch.Tensor]
+Refresh = Callable[[Iterable[torch.Tensor]], Any]
+
+
+def _no_refresh(params: Iterable[torch.Tensor]) -> None:
+    return None
+
 SAMPLE = 65536
 """Elements set per class and rank in check 2 (spread evenly over what the rank holds)."""
 
@@ -148,11 +154,15 @@ def class_names(shardmap: ShardMap) -> list[str]:
 
 
 def check_writes(shardmap: ShardMap, forward: Forward, report: ProofReport, *, rank: int,
-                 world: int, classes: Iterable[str] | None = None) -> None:
+                 world: int, classes: Iterable[str] | None = None,
+                 refresh: Refresh | None = None) -> None:
     """Check 2 (collective: every rank runs the same rounds, see the module docstring).
 
     ``classes`` must be the same list on every rank (the union over ranks); a class this
-    rank does not hold is a round where it writes nothing."""
+    rank does not hold is a round where it writes nothing. ``refresh`` is what a switch runs
+    after writing (packed CPU kernels: pack the written layers again, ``packed.py``); it runs
+    here after every write and every put-back, so the proof covers it."""
+    refresh = refresh or _no_refresh
     from vllm_deltasync.server.worker.apply import Undo, apply_patches
 
     base = forward()
@@ -168,16 +178,18 @@ def check_writes(shardmap: ShardMap, forward: Forward, report: ProofReport, *, r
                       if turn == rank and names and not report.failures else [])
             try:
                 apply_patches(pieces, undo)
+                refresh(p.param for p in pieces)
                 out = forward()
             finally:
                 undo.revert()
+                refresh(p.param for p in pieces)
             after = forward()
             if not torch.equal(after, base):
                 report.fail(param, "putting the probe elements back did not give the "
                                   "model's outputs back bit for bit")
             changed = not torch.equal(out, base)
             # the control round runs on every rank in every round (it is a collective)
-            control = _control_changes(shardmap, param, forward, base,
+            control = _control_changes(shardmap, param, forward, base, refresh,
                                        mine=turn == rank and bool(pieces) and not changed)
             observable = changed or control
             if turn == rank and cls in report.classes:
@@ -190,8 +202,8 @@ def check_writes(shardmap: ShardMap, forward: Forward, report: ProofReport, *, r
                         "computes (the kernel computes from a copy the map does not reach)")
 
 
-def _control_changes(shardmap: ShardMap, param: str, forward: Forward, base: torch.Tensor, *,
-                     mine: bool) -> bool:
+def _control_changes(shardmap: ShardMap, param: str, forward: Forward, base: torch.Tensor,
+                     refresh: Refresh, *, mine: bool) -> bool:
     """A control round (collective; only the rank in turn writes, and only after its write
     through the map had no effect): negate the whole live parameter directly, run the
     forward, put it back bit for bit. True when that changed the output: the probe forward
@@ -208,10 +220,12 @@ def _control_changes(shardmap: ShardMap, param: str, forward: Forward, base: tor
     try:
         if saved is not None and live is not None:
             live.data.neg_().add_(0.5)
+            refresh([live])
         out = forward()
     finally:
         if saved is not None and live is not None:
             live.data.copy_(saved)
+            refresh([live])
     return saved is not None and not torch.equal(out, base)
 
 

@@ -23,6 +23,7 @@ from vllm_deltasync.format.codec import TensorPatch
 from vllm_deltasync.format.manifest import Manifest
 from vllm_deltasync.server.worker.apply import sha256_hex
 from vllm_deltasync.server.worker.layouts import LayoutCache, LayoutSpec
+from vllm_deltasync.server.worker.packed import PackedLayers
 from vllm_deltasync.server.worker.proof import ProofReport
 from vllm_deltasync.server.worker.shardmap import Piece, ShardMap
 from vllm_deltasync.server.worker.state import Applied, PendingSwitch, SyncState
@@ -93,6 +94,9 @@ class RankState:
         """A watched vLLM loader wrote the weights (server/extension.py); settled by
         :meth:`settle_writes` once the writer's call is over."""
         self.shardmap = self._build_map()
+        self.packed = PackedLayers(self.model)
+        """Layers computing from packed copies (``cpu_kernels="packed"``), packed again after
+        every write of ours; empty in the in-place mode and on GPUs."""
         self.param_ids = _param_ids(self.model)
         self.param_versions = _param_versions(self.model)
         self.reloads = 0
@@ -158,7 +162,7 @@ class RankState:
             self.report.fail("the probe forward", "no forward is available to check writes")
         else:
             check_writes(self.shardmap, forward, self.report, rank=self.rank, world=world,
-                         classes=classes)
+                         classes=classes, refresh=self.packed.refresh if self.packed else None)
         self.report.seconds += time.perf_counter() - started
         self.mark_written()  # the check wrote and put back: not a write behind our back
 
@@ -214,6 +218,8 @@ class RankState:
         self.sync.reset(message)
         self.layouts = LayoutCache()
         self.shardmap = self._build_map()
+        self.packed = PackedLayers(self.model)
+        self.packed.refresh()  # the packed copies may predate the write
         self.param_ids = _param_ids(self.model)
         self.param_versions = _param_versions(self.model)
         logger.warning("deltasync rank %d: weights written outside deltasync; layouts learned "
@@ -321,6 +327,9 @@ class RankState:
                 self.sync.mark_applied(staged.manifest)
                 kind = "anchor" if staged.manifest.kind == "anchor" else "delta"
                 self.stats.add_apply(kind, time.perf_counter() - t0, n)
+            t0 = time.perf_counter()
+            repacked = self.packed.refresh(piece.param for piece, _ in undo.entries)
+            repack_s = time.perf_counter() - t0
         except Exception as exc:
             self.stats.add_failure("apply", exc)
             error = f"{type(exc).__name__}: {exc}"
@@ -334,6 +343,8 @@ class RankState:
             "steps": [s.step for s in taken],
             "kinds": [s.manifest.kind for s in taken],
             "apply_s": time.perf_counter() - started,
+            "repacked_layers": repacked,
+            "repack_s": repack_s,
             "written": written,
             "downloaded_bytes": sum(s.downloaded_bytes for s in taken),
             "staged_bytes": sum(s.nbytes for s in taken),
@@ -380,6 +391,7 @@ class RankState:
         try:
             undo.revert()
             _synchronize(pieces)
+            self.packed.refresh(piece.param for piece in pieces)
         except Exception as exc:  # noqa: BLE001 - reported: the weights are unknown now
             self.sync.reset(f"{reason}; could not put the weights back: {exc}")
             return False
@@ -410,6 +422,7 @@ class RankState:
         out = self.poller.status()
         out.update(fingerprint=self.fingerprint, model_steps=self.model_steps, pid=os.getpid(),
                    refused=self.refused, following=self.following, reloads=self.reloads,
+                   cpu_kernels=self.packed.status() if self.packed else "inplace",
                    proof=self.report.to_dict() if self.report is not None else None,
                    layout_bytes=self.layouts.nbytes)
         if self.refused is not None:
