@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import uuid
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Any, TypeVar
@@ -30,6 +31,12 @@ from vllm_deltasync.stores.s3 import S3Store
 from .stores import hubserver
 
 T = TypeVar("T")
+
+# Engines in tests run the in-place kernels GPUs use (the CPU default packs them:
+# SyncConfig.cpu_kernels); subprocesses inherit this. tests/engine/test_packed.py and
+# tests/shardmap/test_packed.py run the packed mode. Set the variable to run every engine
+# test in the packed mode instead.
+os.environ.setdefault("VLLM_DELTASYNC_CPU_KERNELS", "inplace")
 HubServer = hubserver.HubServer
 Quota = hubserver.Quota
 

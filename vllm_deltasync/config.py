@@ -94,12 +94,13 @@ class SyncConfig:
     """Where that cache lives; empty: ``/dev/shm/vllm-deltasync`` (RAM), or the system temp
     folder where there is no ``/dev/shm``."""
 
-    cpu_kernels: str = "inplace"
+    cpu_kernels: str = "packed"
     """CPU build only (no effect on GPUs): how linear layers compute while following
-    (``server/worker/packed.py``). ``packed``: vLLM's packed GEMM kernels, as a stock engine,
-    rebuilt for the layers a switch wrote (the switch pause grows by the repacking; the linear
-    weights are held twice). ``inplace``: no packing, the layers compute from their parameters
-    as on GPUs (writes visible at once; slower decode). benchmarks/RESULTS.md measures both."""
+    (``server/worker/packed.py``). ``packed`` (default): vLLM's packed GEMM kernels, as a stock
+    engine, packed again for the layers a switch wrote (the switch pause grows by the
+    repacking; the linear weights are held twice). ``inplace``: no packing, the layers compute
+    from their parameters as on GPUs (writes visible at once, short pauses, about half the
+    decode speed). benchmarks/RESULTS.md measures both (``serving``)."""
 
     store_options: dict[str, Any] = field(default_factory=dict, repr=False)
     """Options for the bucket backend, as a JSON object (``VLLM_DELTASYNC_STORE_OPTIONS=

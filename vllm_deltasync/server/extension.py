@@ -528,6 +528,7 @@ def _patch_cpu_gemm() -> None:
         original(layer, remove_weight)
 
     dispatch_cpu_unquantized_gemm._deltasync_patched = True  # type: ignore[attr-defined]
+    dispatch_cpu_unquantized_gemm._deltasync_original = original  # type: ignore[attr-defined]
     layer_utils.dispatch_cpu_unquantized_gemm = dispatch_cpu_unquantized_gemm
 
 

@@ -1,0 +1,134 @@
+"""The packed CPU mode on vLLM's own modules (server/worker/packed.py, server/extension.py).
+
+vLLM's CPU GEMM dispatch packs each linear weight into a kernel layout the kernel then computes
+from. With ``cpu_kernels="packed"`` the extension keeps the parameter and puts a repack callable
+on the layer. A real ``RankState`` on vLLM's Qwen2 module (q/k/v biases), every linear layer and
+the lm_head packed by vLLM's own dispatch (oneDNN on this machine), the kernels called the way
+vLLM's ``cpu_unquantized_gemm`` calls them. Shows:
+
+* a write through the shard map does not reach the packed copy by itself (what the mode
+  exists for), and after ``refresh`` of the written parameters the layer computes what a kernel
+  freshly packed from the written weights computes, bit for bit; putting the elements back and
+  refreshing gives the old outputs back bit for bit;
+* the startup proof's write check sees every linear weight class change the outputs with the
+  rank's refresh; without it neither the map's writes nor the control round's direct writes
+  reach a packed copy, and no linear weight class is marked as changing the outputs.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+from vllm_deltasync.config import SyncConfig
+from vllm_deltasync.server.worker.packed import PackedLayers
+from vllm_deltasync.server.worker.rank import RankState
+
+from .conftest import TPWorld, random_checkpoint
+
+
+def _packed_rank(tp_world: TPWorld, tmp_path: Path) -> tuple[RankState, torch.nn.Module]:
+    import vllm.model_executor.layers.utils as layer_utils
+    from vllm.model_executor.layers.linear import LinearBase
+    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
+
+    from vllm_deltasync.server.extension import _install_packed
+
+    dispatch = layer_utils.dispatch_cpu_unquantized_gemm
+    original = getattr(dispatch, "_deltasync_original", dispatch)
+    params = tp_world.model("qwen2_bias").checkpoint_params()
+    weights = random_checkpoint(params, seed=5)
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    save_file(weights, str(ckpt / "model.safetensors"))
+    live = tp_world.build("qwen2_bias", 1, 0)
+    live.load_weights(iter(weights.items()))
+    for module in live.modules():
+        if isinstance(module, (LinearBase, ParallelLMHead)):
+            _install_packed(original, module)
+    worker = SimpleNamespace(
+        rank=0, model_runner=SimpleNamespace(model=live),
+        vllm_config=SimpleNamespace(model_config=SimpleNamespace(model=str(ckpt))))
+    return RankState(worker, SyncConfig(url=f"file://{tmp_path}/bucket")), live
+
+
+def _outputs(packed: PackedLayers) -> list[torch.Tensor]:
+    """Each packed layer's kernel on a fixed input, as vLLM's ``cpu_unquantized_gemm`` calls it."""
+    out = []
+    for module in packed.layers:
+        k = module.weight.shape[1]
+        x = torch.linspace(-1, 1, 4 * k, dtype=torch.float32).reshape(4, k).to(torch.bfloat16)
+        out.append(module.cpu_linear(x, module.weight, getattr(module, "bias", None)))
+    return out
+
+
+def _forward(packed: PackedLayers) -> Any:
+    return lambda: torch.cat([o.reshape(-1).float() for o in _outputs(packed)])
+
+
+def test_refresh_packs_the_written_layers_again(tp_world: TPWorld, tmp_path: Path) -> None:
+    from vllm_deltasync.server.worker.apply import Undo, apply_patches
+    from vllm_deltasync.server.worker.proof import _sample_pieces
+
+    state, _ = _packed_rank(tp_world, tmp_path)
+    try:
+        packed = state.packed
+        assert len(packed.layers) >= 5  # qkv, o, gate_up, down per layer, and the lm_head
+        qkv = next(m for m in packed.layers if m.bias is not None)
+        name = next(t.param_name for n in state.shardmap.names for t in state.shardmap.targets(n)
+                    if t.param is qkv.weight)
+        names = [n for n in state.shardmap.names
+                 if any(t.param is qkv.weight for t in state.shardmap.targets(n))]
+        before = _outputs(packed)
+        with torch.no_grad():
+            pieces = _sample_pieces(state.shardmap, names, name)
+            undo = Undo()
+            apply_patches(pieces, undo)
+            i = packed.layers.index(qkv)
+            assert torch.equal(_outputs(packed)[i], before[i]), "the packed copy saw the write"
+            assert packed.refresh(p.param for p in pieces) == 1
+            after = _outputs(packed)
+            assert not torch.equal(after[i], before[i])
+            fresh = qkv._deltasync_repack()  # packed from the written weights, from nothing
+            x = torch.linspace(-1, 1, 4 * qkv.weight.shape[1]).reshape(4, -1).to(torch.bfloat16)
+            assert torch.equal(fresh(x, qkv.weight, qkv.bias), after[i])
+            assert all(torch.equal(a, b) for j, (a, b) in enumerate(zip(after, before, strict=True))
+                       if j != i), "a layer nobody wrote changed"
+            undo.revert()
+            packed.refresh(p.param for p in pieces)
+            assert all(torch.equal(a, b) for a, b in zip(_outputs(packed), before, strict=True))
+        assert packed.status()["repacked"] == 2
+    finally:
+        state.poller.close()
+
+
+def test_the_write_check_needs_the_refresh(tp_world: TPWorld, tmp_path: Path) -> None:
+    from vllm_deltasync.server.worker.proof import check_writes, class_names
+
+    state, _ = _packed_rank(tp_world, tmp_path)
+    try:
+        forward = _forward(state.packed)
+        classes = class_names(state.shardmap)
+        linear = [c for c in classes if c.endswith("proj.weight") or c.startswith("lm_head")]
+        assert len(linear) >= 5, classes
+        with torch.no_grad():
+            state.prove_values()
+            state.prove_writes(classes, forward, world=1)  # with the rank's refresh
+            assert state.report is not None and not state.report.failures
+            checks = {c: state.report.classes[c]["write_check"] for c in linear}
+            assert set(checks.values()) == {"changed outputs"}, checks
+
+            state.prove_values()  # a new report
+            check_writes(state.shardmap, forward, state.report, rank=0, world=1,
+                         classes=classes)  # no refresh: the packed copies never change
+            checks = {c: state.report.classes[c]["write_check"] for c in linear}
+        # no write of the map, nor the control round's direct write, reaches a packed copy:
+        # the proof holds no evidence for these classes (biases are passed to the kernel at
+        # each call on this machine's oneDNN path, so they are not among them)
+        assert "changed outputs" not in checks.values(), checks
+    finally:
+        state.poller.close()
