@@ -124,6 +124,8 @@ def _measure(name: str, kw: dict[str, Any], tmp: Path, densities: tuple[float, .
     tensors = load_file(str(model_dir / "model.safetensors"))
     url = f"file://{tmp}/bucket-{name}"
     os.environ.update({"VLLM_DELTASYNC_URL": url, "VLLM_DELTASYNC_POLL_INTERVAL_S": "0.1",
+                       # the in-place scatter GPUs run (bench_serving measures the packed mode)
+                       "VLLM_DELTASYNC_CPU_KERNELS": "inplace",
                        "VLLM_DELTASYNC_METRICS_PORT": "0",
                        # the peers are sent to the worker as a function (bench only)
                        "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"})

@@ -313,6 +313,7 @@ SAMPLES: dict[str, tuple[str, Any]] = {
     "poll_interval_s": ("0.5", 0.5),
     "download_concurrency": ("3", 3),
     "max_staged_bytes": ("1048576", 1 << 20),
+    "max_device_staged_bytes": ("0", 0),
     "on_start": ("wait", "wait"),
     "loaded_step": ("41", 41),
     "in_flight": ("drain", "drain"),
@@ -324,6 +325,7 @@ SAMPLES: dict[str, tuple[str, Any]] = {
     "debug_ring_size": ("17", 17),
     "node_cache": ("off", "off"),
     "node_cache_dir": ("/tmp/deltasync-cache", "/tmp/deltasync-cache"),
+    "cpu_kernels": ("inplace", "inplace"),
     "store_options": ('{"addressing_style": "path"}', {"addressing_style": "path"}),
 }
 

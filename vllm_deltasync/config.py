@@ -48,6 +48,13 @@ class SyncConfig:
     """Host bytes of decoded, translated steps waiting to be applied, per rank. One step larger
     than this is still staged when nothing else is (alone), so a big anchor cannot block."""
 
+    max_device_staged_bytes: int = 256 << 20
+    """Of those, bytes that may live on the accelerator (GPU engines), per rank: the staged
+    pieces of parameters on a GPU go to the device until this is reached, the rest wait in
+    pinned host memory and are copied at the switch (a longer pause, no device memory).
+    vLLM gives ``gpu_memory_utilization`` of the device to weights and KV cache: leave at least
+    this much outside it. 0: stage everything on the host."""
+
     on_start: OnStart = "catch_up"
     """``catch_up``: go to the newest committed step as soon as it is staged. ``wait``: keep
     serving the loaded checkpoint until a step newer than the newest at start is committed.
@@ -116,6 +123,9 @@ class SyncConfig:
             )
         _positive(self, "poll_interval_s", "download_concurrency", "max_staged_bytes",
                   "max_chain", "debug_ring_size")
+        if self.max_device_staged_bytes < 0:
+            raise ConfigError(f"deltasync max_device_staged_bytes={self.max_device_staged_bytes} "
+                              "must be >= 0 (0: stage on the host only)")
         if self.max_drain_wait_s < 0:
             raise ConfigError(f"deltasync max_drain_wait_s={self.max_drain_wait_s} must be >= 0")
         if self.on_start not in ("catch_up", "wait"):

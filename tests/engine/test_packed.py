@@ -8,7 +8,8 @@ packed lm_head computes from the embedding's parameter, written through another 
   again, so a write that never reached the packed copy would fail it) and reports its packed
   layers;
 * after each step the live parameters equal the trainer's (digests), and each switch packed
-  layers again;
+  layers again; deltas staged while the engine held their base step switch on kernels packed
+  ahead on the poller thread;
 * a switch that fails on rank 1 after its first piece (failpoint) is taken back on both ranks:
   the weights (digests) and what the kernels compute (outputs equal those before it); the next
   anchor resyncs;
@@ -112,10 +113,12 @@ def test_packed_kernels_follow_and_equal_a_stock_engine(
                 repacked = now
                 outputs[step] = generate(llm, prompts)
             switches = engine_status(llm)["switches"]
+            ahead = [s["cpu_kernels"]["prebuilt_used"] for s in llm.collective_rpc("deltasync_status")]
         finally:
             close_llm(llm)
 
     assert [s["step"] for s in switches] == [0, 1, 2, 4, 5], switches
+    assert all(n >= 1 for n in ahead), ahead  # deltas switched on kernels packed ahead
     assert all(r > 0 for s in switches[1:] for r in s["repack_s"]), switches
     assert outputs[1] != outputs[STEPS]
     references = fresh_outputs(tp, prompts, [checkpoints[1], checkpoints[STEPS]])

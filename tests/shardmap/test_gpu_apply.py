@@ -140,3 +140,65 @@ def test_cpu_apply_7b_layer_delta(relative: bool) -> None:
     names = [n for n in shardmap.names if n.endswith(("k_proj.weight", "o_proj.weight", "norm.weight"))]
     stats = run_delta(shardmap, "cpu", names, relative)
     _report("llama2_7b (k_proj, o_proj, norms of one layer)", "cpu", names, relative, stats)
+
+
+def _budget_case(device: str) -> tuple[ShardMap, dict[str, torch.Tensor], list]:
+    """One layer of the recorded map on ``device``, each tensor loaded and a 1% delta staged
+    through ``translate`` (host patches, as the poller stages them)."""
+    from vllm_deltasync.server.worker.apply import compact
+
+    shardmap = widened_map("llama2_7b", 0, 1, device)
+    gen = torch.Generator().manual_seed(3)
+    new_full, staged = {}, []
+    for name in shardmap.names[:6]:
+        full = torch.randn(shardmap.shape(name), generator=gen).to(torch.bfloat16)
+        for dst, src in _block_views(shardmap, name, full.to(device)):
+            dst.copy_(src)
+        flat = full.view(-1)
+        idx = (torch.rand(flat.numel(), generator=gen) < DENSITY).nonzero().squeeze(1)
+        new = flat.clone()
+        new[idx] = torch.randn(idx.numel(), generator=gen).to(torch.bfloat16)
+        new_full[name] = new.view(full.shape)
+        staged += compact(shardmap.translate(TensorPatch(name, full.shape, idx, new[idx])))
+    return shardmap, new_full, staged
+
+
+def test_device_budget_leaves_host_parameters_alone() -> None:
+    from vllm_deltasync.server.worker.apply import device_nbytes, staged_nbytes
+
+    shardmap, new_full, staged = _budget_case("cpu")
+    pieces = prepare(staged, device_budget=0)
+    assert device_nbytes(pieces) == 0 and staged_nbytes(pieces) == staged_nbytes(staged)
+    apply_patches(pieces)
+    for name, new in new_full.items():
+        for dst, src in _block_views(shardmap, name, new):
+            assert torch.equal(dst, src), name
+
+
+@pytest.mark.gpu
+def test_device_budget_stages_the_rest_pinned_and_copies_at_the_switch() -> None:
+    """``max_device_staged_bytes``: pieces past the budget wait in pinned host memory; the
+    switch copies them and every element lands. Pause each way printed (``pytest -s``)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    from vllm_deltasync.server.worker.apply import device_nbytes, staged_nbytes
+
+    for fraction in (1.0, 0.5, 0.0):
+        shardmap, new_full, staged = _budget_case("cuda")
+        total = staged_nbytes(staged)
+        budget = int(total * fraction)
+        pieces = prepare(staged, device_budget=budget)
+        on_device = device_nbytes(pieces)
+        assert on_device <= budget and (fraction < 1.0 or on_device == total)
+        host = [p for p in pieces if p.values.device.type == "cpu"]
+        assert all(p.values.is_pinned() for p in host)
+        assert bool(host) == (on_device < total)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        apply_patches(pieces)
+        torch.cuda.synchronize()
+        ms = (time.perf_counter() - t0) * 1e3
+        print(f"\ndevice budget {fraction:.0%} of {total} staged bytes: apply {ms:.2f} ms")
+        for name, new in new_full.items():
+            for dst, src in _block_views(shardmap, name, new.cuda()):
+                assert torch.equal(dst, src), (fraction, name)

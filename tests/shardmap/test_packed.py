@@ -132,3 +132,46 @@ def test_the_write_check_needs_the_refresh(tp_world: TPWorld, tmp_path: Path) ->
         assert "changed outputs" not in checks.values(), checks
     finally:
         state.poller.close()
+
+
+def test_kernels_packed_ahead_equal_kernels_packed_at_the_switch(
+        tp_world: TPWorld, tmp_path: Path) -> None:
+    from vllm_deltasync.server.worker.apply import apply_patches
+    from vllm_deltasync.server.worker.proof import _sample_pieces
+
+    state, _ = _packed_rank(tp_world, tmp_path)
+    try:
+        packed = state.packed
+        down = next(m for m in packed.layers if m.weight.shape[1] > m.weight.shape[0])
+        name = next(t.param_name for n in state.shardmap.names for t in state.shardmap.targets(n)
+                    if t.param is down.weight)
+        names = [n for n in state.shardmap.names
+                 if any(t.param is down.weight for t in state.shardmap.targets(n))]
+        with torch.no_grad():
+            before = _outputs(packed)
+            pieces = _sample_pieces(state.shardmap, names, name)
+            assert packed.prebuild(1, 0, pieces, limit_bytes=16) is None  # over the limit
+            built = packed.prebuild(1, 0, pieces, limit_bytes=1 << 30)
+            assert built is not None and [m for m, _ in built.kernels] == [down]
+            assert torch.equal(_outputs(packed)[packed.layers.index(down)],
+                               before[packed.layers.index(down)])  # nothing live changed
+            apply_patches(pieces)  # the switch writes the parameters, then swaps
+            assert packed.swap(built, [p.param for p in pieces]) == 1
+            ahead = _outputs(packed)
+            packed.refresh([down.weight])  # what packing at the switch gives
+            assert all(torch.equal(a, b) for a, b in zip(ahead, _outputs(packed), strict=True))
+            assert not torch.equal(ahead[packed.layers.index(down)],
+                                   before[packed.layers.index(down)])
+
+            # kept for the rank's next switch only while no write of ours came between
+            state._prebuilt = packed.prebuild(2, state.write_seq, pieces, 1 << 30)
+            seq = state.write_seq
+            with state._writing():
+                pass
+            assert state._take_prebuilt(2, state.write_seq) is None
+            assert packed.status()["prebuilt_discarded"] == 1
+            state._prebuilt = packed.prebuild(3, state.write_seq, pieces, 1 << 30)
+            assert state._take_prebuilt(3, state.write_seq) is not None and seq != state.write_seq
+        assert packed.status()["prebuilt_used"] == 1
+    finally:
+        state.poller.close()

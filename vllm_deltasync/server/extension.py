@@ -552,12 +552,14 @@ def _active_cpu_kernels() -> str | None:
 
 class _PackSource:
     """What vLLM's CPU GEMM dispatch reads from a layer, so it packs without touching the
-    layer: the live weight (read only: ``remove_weight`` is False) and a private copy of the
-    bias (the sgl path converts the bias it is given to float32 in place)."""
+    layer: a weight (the live one, read only: ``remove_weight`` is False; or a staged copy) and
+    a private copy of the bias (the sgl path converts the bias it is given to float32 in place)."""
 
-    def __init__(self, layer: torch.nn.Module) -> None:
-        self.weight = layer.weight
-        bias = getattr(layer, "bias", None)
+    def __init__(self, layer: torch.nn.Module, weight: torch.Tensor | None,
+                 bias: torch.Tensor | None) -> None:
+        self.weight = layer.weight if weight is None else weight
+        if bias is None:
+            bias = getattr(layer, "bias", None)
         self.bias = (torch.nn.Parameter(bias.detach().clone(), requires_grad=False)
                      if isinstance(bias, torch.Tensor) else None)
         self.cpu_linear: Any = None
@@ -565,18 +567,19 @@ class _PackSource:
 
 def _install_packed(original: Any, layer: torch.nn.Module) -> None:
     """``cpu_kernels="packed"``: vLLM's own packed kernel for ``layer``, built from its live
-    weight, and a ``_deltasync_repack`` that builds a new one from the current weights
-    (``server/worker/packed.py`` swaps it in after a switch wrote the layer)."""
+    weight, and a ``_deltasync_repack(weight=None, bias=None)`` that builds a new one from the
+    current weights, or from given copies (``server/worker/packed.py`` swaps it in after a
+    switch wrote the layer, or builds it ahead from the staged step)."""
     from vllm_deltasync.server.worker.packed import REPACK_ATTR
 
-    def repack() -> Any:
-        source = _PackSource(layer)
+    def repack(weight: torch.Tensor | None = None, bias: torch.Tensor | None = None) -> Any:
+        source = _PackSource(layer, weight, bias)
         original(source, False)
         kernel = source.cpu_linear
         live_bias = getattr(layer, "bias", None)
         if source.bias is None or (isinstance(live_bias, torch.Tensor)
                                    and source.bias.dtype == live_bias.dtype):
-            return kernel
+            return kernel  # the kernel takes the live bias at each call
         packed_bias = source.bias  # the kernel wants its own (float32) copy of the bias
 
         def linear(x: torch.Tensor, weight: torch.Tensor, bias: Any) -> torch.Tensor:

@@ -122,22 +122,44 @@ def _replace(piece: Piece, indices: torch.Tensor | None, values: torch.Tensor) -
 
 
 def prepare(pieces: Iterable[Piece], *, non_blocking: bool = False,
-            limit: int = INDEX_SPAN) -> list[Piece]:
+            limit: int = INDEX_SPAN, device_budget: int | None = None) -> list[Piece]:
     """Stage pieces (:func:`compact`) and move them to each parameter's device, ready to
     scatter.
 
     Dense values (strided views of a patch) are gathered into contiguous tensors of the piece's
-    shape, so only this rank's share travels to the device.
+    shape, so only this rank's share travels to the device. ``device_budget``: bytes of pieces
+    that may move to an accelerator (``SyncConfig.max_device_staged_bytes``); pieces past it
+    stay on the host, in pinned memory, and :func:`apply_patches` copies them at the switch.
     """
     out = []
+    budget = device_budget
     for piece in compact(pieces, limit=limit):
         device = piece.param.device
+        if budget is not None and device.type != "cpu":
+            size = staged_nbytes([piece])
+            if size > budget:
+                out.append(_pinned(piece))
+                continue
+            budget -= size
         indices = piece.indices
         if indices is not None:
             indices = indices.to(device, non_blocking=non_blocking)
         values = piece.values.to(device, non_blocking=non_blocking)
         out.append(_replace(piece, indices, values))
     return out
+
+
+def _pinned(piece: Piece) -> Piece:
+    """``piece`` staged in page-locked host memory (copied to the device at the switch)."""
+    indices = piece.indices
+    if indices is not None:
+        indices = indices.contiguous().pin_memory()
+    return _replace(piece, indices, piece.values.contiguous().pin_memory())
+
+
+def device_nbytes(pieces: Iterable[Piece]) -> int:
+    """Bytes of ``pieces`` staged on an accelerator (counted against the device budget)."""
+    return staged_nbytes(p for p in pieces if p.values.device.type != "cpu")
 
 
 def staged_nbytes(pieces: Iterable[Piece]) -> int:

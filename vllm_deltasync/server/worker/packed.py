@@ -14,6 +14,15 @@ to follow a bucket there (``SyncConfig.cpu_kernels``):
   before the next model step. Same kernels as a stock engine; costs the repacking in the switch
   pause and a second copy of the linear weights in memory.
 
+Off the critical path where it can be (:meth:`PackedLayers.prebuild`): once a delta is staged
+and the live weights are at its base step, the poller thread copies each layer it touches,
+writes the step's pieces into the copy and packs that, so the switch only writes the
+parameters and swaps kernels. The prebuilt kernels are used only if no write of ours happened
+since the copies were taken (``RankState.write_seq``, a sequence counter: odd while a write is
+under way), and only for that one step; otherwise the switch packs as above. They hold another
+packed copy of the touched layers until the switch, so they are built only when that fits in
+``max_staged_bytes``.
+
 The packing itself is vLLM's and lives in ``server/extension.py`` (the one vLLM module): it puts
 a ``_deltasync_repack`` callable on each packed layer, which returns a new kernel for the
 layer's current weights without installing it. This module only finds those layers and swaps
@@ -24,12 +33,26 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from vllm_deltasync.server.worker.shardmap import Piece
+
 REPACK_ATTR = "_deltasync_repack"
 """Set on a packed layer by the extension's CPU GEMM dispatch: ``() -> kernel``."""
+
+
+@dataclass
+class Prebuilt:
+    """Kernels packed ahead for one staged step, valid while ``seq`` is the rank's write_seq."""
+
+    step: int
+    seq: int
+    kernels: list[tuple[torch.nn.Module, Any]]
+    nbytes: int
+    seconds: float
 
 
 class PackedLayers:
@@ -47,10 +70,14 @@ class PackedLayers:
                 if isinstance(param, torch.Tensor):
                     self.by_param.setdefault(id(param), []).append(module)
         self.repacks = 0
-        """Layers packed again since start."""
+        """Layers packed again since start (at the switch or ahead of it)."""
         self.seconds = 0.0
-        """Time spent packing them."""
+        """Time spent packing them (ahead of a switch included)."""
         self.last: dict[str, Any] = {}
+        self.prebuilt_used = 0
+        """Switches that installed kernels packed ahead (:meth:`prebuild`)."""
+        self.prebuilt_discarded = 0
+        """Kernels packed ahead and not used (a write of ours came between)."""
 
     def __bool__(self) -> bool:
         return bool(self.layers)
@@ -82,9 +109,66 @@ class PackedLayers:
         self.last = {"layers": len(built), "seconds": seconds}
         return len(built)
 
+    def prebuild(self, step: int, seq: int, pieces: list[Piece],
+                 limit_bytes: int) -> Prebuilt | None:
+        """Poller thread: kernels for the layers ``pieces`` touch, packed from copies of their
+        current weights with ``pieces`` written in. None when there is nothing to build, the
+        copies would exceed ``limit_bytes``, or a piece is dense (anchors: packed at the switch).
+        The caller checks that no write happened meanwhile (``seq``)."""
+        from vllm_deltasync.server.worker.apply import apply_patches
+
+        if not self.layers or any(p.dense is not None for p in pieces):
+            return None
+        by_param: dict[int, list[Piece]] = {}
+        for piece in pieces:
+            by_param.setdefault(id(piece.param), []).append(piece)
+        layers = self.touched(p.param for p in pieces)
+        nbytes = sum(_nbytes(m) for m in layers)
+        if not layers or nbytes > limit_bytes:
+            return None
+        started = time.perf_counter()
+        kernels = []
+        for module in layers:
+            copies: dict[str, torch.Tensor | None] = {}
+            for name in ("weight", "bias"):
+                live = getattr(module, name, None)
+                if not isinstance(live, torch.Tensor):
+                    copies[name] = None
+                    continue
+                copy = live.detach().clone()
+                apply_patches(Piece(copy, p.indices, p.values, relative=p.relative,
+                                    base=p.base, span=p.span)
+                              for p in by_param.get(id(live), ()))
+                copies[name] = copy
+            kernels.append((module, getattr(module, REPACK_ATTR)(copies["weight"],
+                                                                  copies["bias"])))
+        return Prebuilt(step, seq, kernels, nbytes, time.perf_counter() - started)
+
+    def swap(self, prebuilt: Prebuilt, params: Iterable[torch.Tensor]) -> int:
+        """Main thread, at the switch: install ``prebuilt``'s kernels, and pack the layers
+        ``params`` touch that it lacks (none when it was built from the same step)."""
+        started = time.perf_counter()
+        done = {id(m) for m, _ in prebuilt.kernels}
+        rest = [p for p in params if any(id(m) not in done for m in self.by_param.get(id(p), ()))]
+        for module, kernel in prebuilt.kernels:
+            module.cpu_linear = kernel
+        n = len(prebuilt.kernels) + (self.refresh(rest) if rest else 0)
+        self.repacks += len(prebuilt.kernels)
+        self.seconds += prebuilt.seconds
+        self.prebuilt_used += 1
+        self.last = {"layers": n, "seconds": time.perf_counter() - started,
+                     "prebuilt_seconds": prebuilt.seconds}
+        return n
+
     def status(self) -> dict[str, Any]:
         return {"layers": len(self.layers), "repacked": self.repacks,
-                "repack_seconds": round(self.seconds, 6), "last": dict(self.last)}
+                "repack_seconds": round(self.seconds, 6), "prebuilt_used": self.prebuilt_used,
+                "prebuilt_discarded": self.prebuilt_discarded, "last": dict(self.last)}
 
 
-__all__ = ["REPACK_ATTR", "PackedLayers"]
+def _nbytes(module: torch.nn.Module) -> int:
+    weight = getattr(module, "weight", None)
+    return weight.numel() * weight.element_size() if isinstance(weight, torch.Tensor) else 0
+
+
+__all__ = ["REPACK_ATTR", "PackedLayers", "Prebuilt"]

@@ -8,10 +8,12 @@ worker's ``_deltasync`` attribute. It reads a few attributes of the vLLM worker 
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import os
+import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +25,7 @@ from vllm_deltasync.format.codec import TensorPatch
 from vllm_deltasync.format.manifest import Manifest
 from vllm_deltasync.server.worker.apply import sha256_hex
 from vllm_deltasync.server.worker.layouts import LayoutCache, LayoutSpec
-from vllm_deltasync.server.worker.packed import PackedLayers
+from vllm_deltasync.server.worker.packed import PackedLayers, Prebuilt
 from vllm_deltasync.server.worker.proof import ProofReport
 from vllm_deltasync.server.worker.shardmap import Piece, ShardMap
 from vllm_deltasync.server.worker.state import Applied, PendingSwitch, SyncState
@@ -97,6 +99,11 @@ class RankState:
         self.packed = PackedLayers(self.model)
         """Layers computing from packed copies (``cpu_kernels="packed"``), packed again after
         every write of ours; empty in the in-place mode and on GPUs."""
+        self.write_seq = 0
+        """Sequence counter of our writes to the weights: odd while one is under way (main
+        thread). Kernels packed ahead on the poller thread are used only if it did not move."""
+        self._prebuilt: Prebuilt | None = None
+        self._prebuilt_lock = threading.Lock()
         self.param_ids = _param_ids(self.model)
         self.param_versions = _param_versions(self.model)
         self.reloads = 0
@@ -161,8 +168,10 @@ class RankState:
         if forward is None:
             self.report.fail("the probe forward", "no forward is available to check writes")
         else:
-            check_writes(self.shardmap, forward, self.report, rank=self.rank, world=world,
-                         classes=classes, refresh=self.packed.refresh if self.packed else None)
+            with self._writing():
+                check_writes(self.shardmap, forward, self.report, rank=self.rank, world=world,
+                             classes=classes,
+                             refresh=self.packed.refresh if self.packed else None)
         self.report.seconds += time.perf_counter() - started
         self.mark_written()  # the check wrote and put back: not a write behind our back
 
@@ -218,8 +227,9 @@ class RankState:
         self.sync.reset(message)
         self.layouts = LayoutCache()
         self.shardmap = self._build_map()
-        self.packed = PackedLayers(self.model)
-        self.packed.refresh()  # the packed copies may predate the write
+        with self._writing():  # kernels packed ahead from the old weights are void
+            self.packed = PackedLayers(self.model)
+            self.packed.refresh()  # the packed copies may predate the write
         self.param_ids = _param_ids(self.model)
         self.param_versions = _param_versions(self.model)
         logger.warning("deltasync rank %d: weights written outside deltasync; layouts learned "
@@ -247,11 +257,12 @@ class RankState:
 
     def stage_patch(self, patch: TensorPatch) -> list[Piece]:
         """Poller thread, per patch as it is decoded: translate to this rank's shards and stage
-        (int32 indices, 16-bit values: ``apply.prepare``) on the parameters' device, so a step's
-        int64 decode output lives one patch at a time, never for the whole step."""
-        from vllm_deltasync.server.worker.apply import prepare
+        (int32 indices, 16-bit values: ``apply.compact``) on the host, so a step's int64 decode
+        output lives one patch at a time, never for the whole step. :meth:`prepare` moves the
+        step to the parameters' device, within the device budget."""
+        from vllm_deltasync.server.worker.apply import compact
 
-        return prepare(self.shardmap.translate(patch))
+        return compact(self.shardmap.translate(patch))
 
     def prepare(self, manifest: Manifest, patches: list[Any]) -> tuple[list[Piece], int]:
         """Poller thread: translate to this rank's shards (unless :meth:`stage_patch` did, per
@@ -259,13 +270,16 @@ class RankState:
         parameter (one scatter per parameter at the switch) and move to the device.
 
         The returned bytes are what the staged pieces hold (``apply.staged_nbytes``): about 6
-        per changed element of a 16-bit parameter, 8 of an fp32 one.
+        per changed element of a 16-bit parameter, 8 of an fp32 one. Pieces of parameters on
+        an accelerator go there while the steps staged hold less than
+        ``max_device_staged_bytes`` on it; the rest wait in pinned host memory.
 
         If the main thread replaces the shard map while a step is staged it also bumps the
         state's generation, so a step translated (even in part) with the old map is never
         staged."""
         from vllm_deltasync.server.worker.apply import (
             compact,
+            device_nbytes,
             merge_pieces,
             prepare,
             staged_nbytes,
@@ -280,10 +294,54 @@ class RankState:
                 staged.extend(item)
             patches[i] = None  # each patch's tensors are freed once staged
         staged.reverse()
-        pieces = prepare(merge_pieces(staged.pop() for _ in range(len(staged))))
+        budget = self.config.max_device_staged_bytes - sum(
+            device_nbytes(payload) for payload in self.sync.staged_payloads())
+        pieces = prepare(merge_pieces(staged.pop() for _ in range(len(staged))),
+                         device_budget=max(0, budget))
         if pieces and pieces[0].param.device.type == "cuda":
             torch.cuda.current_stream(pieces[0].param.device).synchronize()
+        self._prebuild(manifest, pieces)
         return pieces, staged_nbytes(pieces)
+
+    def _prebuild(self, manifest: Manifest, pieces: list[Piece]) -> None:
+        """Poller thread, packed CPU kernels: pack the layers this delta touches ahead of its
+        switch (``packed.py``), when the live weights are at its base step now and no write of
+        ours comes between the copies and the check after them."""
+        if not self.packed or manifest.kind != "delta":
+            return
+        seq = self.write_seq
+        if seq % 2 or self.sync.applied_step != manifest.base_step:
+            return
+        built = self.packed.prebuild(manifest.step, seq, pieces, self.config.max_staged_bytes)
+        if built is None:
+            return
+        with self._prebuilt_lock:
+            if self.write_seq == seq and self.sync.applied_step == manifest.base_step:
+                self._prebuilt = built
+            else:
+                self.packed.prebuilt_discarded += 1
+
+    def _take_prebuilt(self, step: int, seq: int) -> Prebuilt | None:
+        """Main thread: the kernels packed ahead for ``step``, if still valid at ``seq``."""
+        with self._prebuilt_lock:
+            built, self._prebuilt = self._prebuilt, None
+        if built is None:
+            return None
+        if built.step != step or built.seq != seq:
+            self.packed.prebuilt_discarded += 1
+            return None
+        return built
+
+    @contextlib.contextmanager
+    def _writing(self) -> Iterator[None]:
+        """Main thread: around every write of ours to the weights (``write_seq`` odd inside)."""
+        with self._prebuilt_lock:
+            self.write_seq += 1
+        try:
+            yield
+        finally:
+            with self._prebuilt_lock:
+                self.write_seq += 1
 
     def apply(self, step: int) -> dict[str, Any]:
         """Main thread, between model steps: write every staged step up to ``step``.
@@ -303,6 +361,9 @@ class RankState:
         undo = Undo()
         started = time.perf_counter()
         written = 0
+        prebuilt = self._take_prebuilt(step, self.write_seq)
+        writing = self._writing()
+        writing.__enter__()
         try:
             taken = self.sync.take(step, rank=self.rank)
             applied = before[0]
@@ -328,7 +389,11 @@ class RankState:
                 kind = "anchor" if staged.manifest.kind == "anchor" else "delta"
                 self.stats.add_apply(kind, time.perf_counter() - t0, n)
             t0 = time.perf_counter()
-            repacked = self.packed.refresh(piece.param for piece, _ in undo.entries)
+            params = [piece.param for piece, _ in undo.entries]
+            if prebuilt is not None and [s.step for s in taken] == [prebuilt.step]:
+                repacked = self.packed.swap(prebuilt, params)
+            else:
+                repacked = self.packed.refresh(params)
             repack_s = time.perf_counter() - t0
         except Exception as exc:
             self.stats.add_failure("apply", exc)
@@ -337,6 +402,8 @@ class RankState:
             self.sync.switch_failed(step, reverted, error)
             self.mark_written()
             raise ApplyFailed(str(exc), reverted=reverted) from exc
+        finally:
+            writing.__exit__(None, None, None)
         self.mark_written()
         last_apply = {
             "step": step,
@@ -389,9 +456,10 @@ class RankState:
         not be put back."""
         pieces = [piece for piece, _ in undo.entries]
         try:
-            undo.revert()
-            _synchronize(pieces)
-            self.packed.refresh(piece.param for piece in pieces)
+            with self._writing():
+                undo.revert()
+                _synchronize(pieces)
+                self.packed.refresh(piece.param for piece in pieces)
         except Exception as exc:  # noqa: BLE001 - reported: the weights are unknown now
             self.sync.reset(f"{reason}; could not put the weights back: {exc}")
             return False

@@ -130,6 +130,11 @@ class SyncState(Generic[P]):
             self._staged.append(staged)
             return True
 
+    def staged_payloads(self) -> list[P]:
+        """The payloads staged now (the poller thread counts their device bytes)."""
+        with self._lock:
+            return [s.payload for s in self._staged]
+
     def has_room(self, max_staged_bytes: int) -> bool:
         """True when another step may be staged (always when nothing is)."""
         with self._lock:
