@@ -7,7 +7,11 @@ same bucket steps:
 * **inplace** (``cpu_kernels="inplace"``): the extension, linear layers computing from their
   parameters with ``torch.nn.functional.linear``, as on GPUs;
 * **packed** (``cpu_kernels="packed"``): the extension keeping vLLM's packed kernels and packing
-  again the layers each switch wrote (``server/worker/packed.py``).
+  again the layers each switch wrote (``server/worker/packed.py``);
+* **packed, no prefix reset**: the same with ``reset_prefix_cache=false``, so a switch does not
+  make the running requests compute their KV again (they keep old-weight KV for the tokens
+  before the switch): the share of the following cost that is the switch semantics, not the
+  kernels.
 
 Before the engines start, an anchor and ``STEPS`` deltas (~1% of the elements flipped by 1-3
 bf16 ulps, as RL steps; REFERENCE §1) are published to a source bucket. While an engine
@@ -43,7 +47,7 @@ from vllm_deltasync import DeltaPublisher
 
 MODEL = {"hidden_size": 768, "num_layers": 6, "num_heads": 12, "num_kv_heads": 4,
          "intermediate_size": 2048, "vocab_size": 32000}
-MODES = ("stock", "inplace", "packed")
+MODES = ("stock", "inplace", "packed", "packed, no prefix reset")
 STEPS = 16
 DENSITY = 0.01
 INTERVAL_S = 3.0
@@ -113,7 +117,8 @@ def _measure(mode: str, model_dir: Path, source: Path, tmp: Path, runs: int) -> 
     os.environ.update({"VLLM_DELTASYNC_URL": f"file://{bucket}",
                        "VLLM_DELTASYNC_POLL_INTERVAL_S": "0.2",
                        "VLLM_DELTASYNC_METRICS_PORT": "0",
-                       "VLLM_DELTASYNC_CPU_KERNELS": "packed" if mode == "stock" else mode})
+                       "VLLM_DELTASYNC_CPU_KERNELS": "inplace" if mode == "inplace" else "packed",
+                       "VLLM_DELTASYNC_RESET_PREFIX_CACHE": str("no prefix reset" not in mode)})
     kw: dict[str, Any] = ({} if mode == "stock"
                           else {"worker_extension_cls": "vllm_deltasync.DeltaSyncExtension"})
     llm = LLM(model=str(model_dir), enforce_eager=True, max_model_len=512, dtype="bfloat16",
@@ -201,19 +206,22 @@ def run(quick: bool = False) -> str:
         lines.append(
             f"| {r['mode']} | " + " | ".join(cells)
             + f" | {len(sw) if r['mode'] != 'stock' else '- (follows nothing)'}"
-            f" | {_ms([s['pause_s'] for s in sw])} | {_ms(repack) if r['mode'] == 'packed' else '-'}"
+            f" | {_ms([s['pause_s'] for s in sw])}"
+            f" | {_ms(repack) if r['mode'].startswith('packed') else '-'}"
             f" | {r['rss'] / 2**20:.0f} MiB |"
         )
     lines += [
         "",
         "Stock: vLLM without the extension (the steps are released but nothing follows them). "
-        "Pause: the engine core's switch time between two batches; repack: the packed mode's "
-        "rebuilding of the written layers' packed weights, inside that pause. Every switch "
+        "Pause: the engine core's switch time between two batches. Every switch "
         "also resets the prefix cache with the running requests (`reset_prefix_cache`), so "
         "in-flight sequences are computed again on the new weights: that, the pause and the "
         "rank's staging work (download, verify, decode on the same two cores) are the "
-        "following phase's cost in either mode. Worker RSS after start: the packed mode keeps "
-        "each linear weight next to its packed copy.",
+        "following phase's cost in either mode; the last row leaves out the recomputation. "
+        "Repack: what the switch itself spent installing the new kernels (packed ahead on the "
+        "poller thread when the engine held the delta's base). Worker RSS after start: the "
+        "packed mode keeps each linear weight next to its packed copy. This machine's two cores "
+        "are shared: the same row moves by up to ~15% between runs.",
     ]
     return "\n".join(lines) + "\n"
 
