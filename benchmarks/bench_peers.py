@@ -204,8 +204,8 @@ def run(quick: bool = False) -> str:
         f"{REPEATS} calls writing the last delta again from memory. Memory floor: cache lines "
         f"holding a changed element x 128 B (read and write back) plus the staged bytes, at the "
         f"worker's measured copy bandwidth ({bw:.1f} GB/s, read plus written). Digests after: "
-        "the live weights against that step's checkpoint, once both peers ran. CPU build, the "
-        "no-prepack path (docs/extension.md).",
+        "the live weights against that step's checkpoint, once both peers ran. CPU build, "
+        "`cpu_kernels=inplace`: the in-place path GPUs use (docs/extension.md).",
     ]
     return "\n".join(lines) + "\n"
 

@@ -41,7 +41,8 @@ import torch
 from vllm_deltasync.server.worker.shardmap import Piece
 
 REPACK_ATTR = "_deltasync_repack"
-"""Set on a packed layer by the extension's CPU GEMM dispatch: ``() -> kernel``."""
+"""Set on a packed layer by the extension's CPU GEMM dispatch: ``(weight=None, bias=None) ->
+kernel``, packed from the layer's live tensors, or from the copies given."""
 
 
 @dataclass
