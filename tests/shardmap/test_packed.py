@@ -22,16 +22,15 @@ from types import SimpleNamespace
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
 
 from vllm_deltasync.config import SyncConfig
 from vllm_deltasync.server.worker.packed import PackedLayers
 from vllm_deltasync.server.worker.rank import RankState
 
-from .conftest import TPWorld, random_checkpoint
+from .conftest import TPWorld, live_checkpoint
 
 
-def _packed_rank(tp_world: TPWorld, tmp_path: Path) -> tuple[RankState, torch.nn.Module]:
+def _packed_rank(tp_world: TPWorld, tmp_path: Path) -> RankState:
     import vllm.model_executor.layers.utils as layer_utils
     from vllm.model_executor.layers.linear import LinearBase
     from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
@@ -40,49 +39,49 @@ def _packed_rank(tp_world: TPWorld, tmp_path: Path) -> tuple[RankState, torch.nn
 
     dispatch = layer_utils.dispatch_cpu_unquantized_gemm
     original = getattr(dispatch, "_deltasync_original", dispatch)
-    params = tp_world.model("qwen2_bias").checkpoint_params()
-    weights = random_checkpoint(params, seed=5)
-    ckpt = tmp_path / "ckpt"
-    ckpt.mkdir()
-    save_file(weights, str(ckpt / "model.safetensors"))
-    live = tp_world.build("qwen2_bias", 1, 0)
-    live.load_weights(iter(weights.items()))
+    ckpt, live, _ = live_checkpoint(tp_world, tmp_path, "qwen2_bias", seed=5)
     for module in live.modules():
         if isinstance(module, (LinearBase, ParallelLMHead)):
             _install_packed(original, module)
     worker = SimpleNamespace(
         rank=0, model_runner=SimpleNamespace(model=live),
         vllm_config=SimpleNamespace(model_config=SimpleNamespace(model=str(ckpt))))
-    return RankState(worker, SyncConfig(url=f"file://{tmp_path}/bucket")), live
+    return RankState(worker, SyncConfig(url=f"file://{tmp_path}/bucket"))
+
+
+def _input(module: torch.nn.Module) -> torch.Tensor:
+    """A fixed input for ``module``'s kernel."""
+    k = module.weight.shape[1]
+    return torch.linspace(-1, 1, 4 * k, dtype=torch.float32).reshape(4, k).to(torch.bfloat16)
 
 
 def _outputs(packed: PackedLayers) -> list[torch.Tensor]:
     """Each packed layer's kernel on a fixed input, as vLLM's ``cpu_unquantized_gemm`` calls it."""
-    out = []
-    for module in packed.layers:
-        k = module.weight.shape[1]
-        x = torch.linspace(-1, 1, 4 * k, dtype=torch.float32).reshape(4, k).to(torch.bfloat16)
-        out.append(module.cpu_linear(x, module.weight, getattr(module, "bias", None)))
-    return out
+    return [m.cpu_linear(_input(m), m.weight, getattr(m, "bias", None)) for m in packed.layers]
 
 
 def _forward(packed: PackedLayers) -> Any:
     return lambda: torch.cat([o.reshape(-1).float() for o in _outputs(packed)])
 
 
+def _writers(state: RankState, param: torch.Tensor) -> tuple[str, list[str]]:
+    """``param``'s runtime name and the checkpoint names written into it."""
+    names = [n for n in state.shardmap.names
+             if any(t.param is param for t in state.shardmap.targets(n))]
+    name = next(t.param_name for t in state.shardmap.targets(names[0]) if t.param is param)
+    return name, names
+
+
 def test_refresh_packs_the_written_layers_again(tp_world: TPWorld, tmp_path: Path) -> None:
     from vllm_deltasync.server.worker.apply import Undo, apply_patches
     from vllm_deltasync.server.worker.proof import _sample_pieces
 
-    state, _ = _packed_rank(tp_world, tmp_path)
+    state = _packed_rank(tp_world, tmp_path)
     try:
         packed = state.packed
         assert len(packed.layers) >= 5  # qkv, o, gate_up, down per layer, and the lm_head
         qkv = next(m for m in packed.layers if m.bias is not None)
-        name = next(t.param_name for n in state.shardmap.names for t in state.shardmap.targets(n)
-                    if t.param is qkv.weight)
-        names = [n for n in state.shardmap.names
-                 if any(t.param is qkv.weight for t in state.shardmap.targets(n))]
+        name, names = _writers(state, qkv.weight)
         before = _outputs(packed)
         with torch.no_grad():
             pieces = _sample_pieces(state.shardmap, names, name)
@@ -94,8 +93,7 @@ def test_refresh_packs_the_written_layers_again(tp_world: TPWorld, tmp_path: Pat
             after = _outputs(packed)
             assert not torch.equal(after[i], before[i])
             fresh = qkv._deltasync_repack()  # packed from the written weights, from nothing
-            x = torch.linspace(-1, 1, 4 * qkv.weight.shape[1]).reshape(4, -1).to(torch.bfloat16)
-            assert torch.equal(fresh(x, qkv.weight, qkv.bias), after[i])
+            assert torch.equal(fresh(_input(qkv), qkv.weight, qkv.bias), after[i])
             assert all(torch.equal(a, b) for j, (a, b) in enumerate(zip(after, before, strict=True))
                        if j != i), "a layer nobody wrote changed"
             undo.revert()
@@ -109,7 +107,7 @@ def test_refresh_packs_the_written_layers_again(tp_world: TPWorld, tmp_path: Pat
 def test_the_write_check_needs_the_refresh(tp_world: TPWorld, tmp_path: Path) -> None:
     from vllm_deltasync.server.worker.proof import check_writes, class_names
 
-    state, _ = _packed_rank(tp_world, tmp_path)
+    state = _packed_rank(tp_world, tmp_path)
     try:
         forward = _forward(state.packed)
         classes = class_names(state.shardmap)
@@ -139,14 +137,11 @@ def test_kernels_packed_ahead_equal_kernels_packed_at_the_switch(
     from vllm_deltasync.server.worker.apply import apply_patches
     from vllm_deltasync.server.worker.proof import _sample_pieces
 
-    state, _ = _packed_rank(tp_world, tmp_path)
+    state = _packed_rank(tp_world, tmp_path)
     try:
         packed = state.packed
         down = next(m for m in packed.layers if m.weight.shape[1] > m.weight.shape[0])
-        name = next(t.param_name for n in state.shardmap.names for t in state.shardmap.targets(n)
-                    if t.param is down.weight)
-        names = [n for n in state.shardmap.names
-                 if any(t.param is down.weight for t in state.shardmap.targets(n))]
+        name, names = _writers(state, down.weight)
         with torch.no_grad():
             before = _outputs(packed)
             pieces = _sample_pieces(state.shardmap, names, name)
@@ -168,10 +163,10 @@ def test_kernels_packed_ahead_equal_kernels_packed_at_the_switch(
             seq = state.write_seq
             with state._writing():
                 pass
-            assert state._take_prebuilt(2, state.write_seq) is None
+            assert state._take_prebuilt(2) is None
             assert packed.status()["prebuilt_discarded"] == 1
             state._prebuilt = packed.prebuild(3, state.write_seq, pieces, 1 << 30)
-            assert state._take_prebuilt(3, state.write_seq) is not None and seq != state.write_seq
+            assert state._take_prebuilt(3) is not None and seq != state.write_seq
         assert packed.status()["prebuilt_used"] == 1
     finally:
         state.poller.close()

@@ -321,13 +321,14 @@ class RankState:
             else:
                 self.packed.prebuilt_discarded += 1
 
-    def _take_prebuilt(self, step: int, seq: int) -> Prebuilt | None:
-        """Main thread: the kernels packed ahead for ``step``, if still valid at ``seq``."""
+    def _take_prebuilt(self, step: int) -> Prebuilt | None:
+        """Main thread, before a switch writes: the kernels packed ahead for ``step``, if no
+        write of ours came since their copies were taken."""
         with self._prebuilt_lock:
             built, self._prebuilt = self._prebuilt, None
         if built is None:
             return None
-        if built.step != step or built.seq != seq:
+        if built.step != step or built.seq != self.write_seq:
             self.packed.prebuilt_discarded += 1
             return None
         return built
@@ -361,49 +362,46 @@ class RankState:
         undo = Undo()
         started = time.perf_counter()
         written = 0
-        prebuilt = self._take_prebuilt(step, self.write_seq)
-        writing = self._writing()
-        writing.__enter__()
-        try:
-            taken = self.sync.take(step, rank=self.rank)
-            applied = before[0]
-            for staged in taken:  # check the whole chain before writing anything
-                m = staged.manifest
-                if m.kind == "delta" and m.base_step != applied:
-                    raise ChainError(
-                        f"rank {self.rank}: step {m.step} applies on step {m.base_step}, "
-                        f"the engine holds step {applied}"
-                    )
-                applied = m.step
-            for staged in taken:
+        prebuilt = self._take_prebuilt(step)
+        with self._writing():  # kernels packed ahead are void from here
+            try:
+                taken = self.sync.take(step, rank=self.rank)
+                applied = before[0]
+                for staged in taken:  # check the whole chain before writing anything
+                    m = staged.manifest
+                    if m.kind == "delta" and m.base_step != applied:
+                        raise ChainError(
+                            f"rank {self.rank}: step {m.step} applies on step {m.base_step}, "
+                            f"the engine holds step {applied}"
+                        )
+                    applied = m.step
+                for staged in taken:
+                    t0 = time.perf_counter()
+                    fail_after = _failpoint(self.rank, staged.step)
+                    pieces = staged.payload if fail_after is None else staged.payload[:fail_after]
+                    n = apply_patches(pieces, undo)
+                    if fail_after is not None:
+                        raise ApplyError(f"rank {self.rank}: failpoint {FAILPOINT_ENV} at step "
+                                         f"{staged.step} after {len(pieces)} pieces")
+                    _synchronize(staged.payload)
+                    written += n
+                    self.sync.mark_applied(staged.manifest)
+                    kind = "anchor" if staged.manifest.kind == "anchor" else "delta"
+                    self.stats.add_apply(kind, time.perf_counter() - t0, n)
                 t0 = time.perf_counter()
-                fail_after = _failpoint(self.rank, staged.step)
-                pieces = staged.payload if fail_after is None else staged.payload[:fail_after]
-                n = apply_patches(pieces, undo)
-                if fail_after is not None:
-                    raise ApplyError(f"rank {self.rank}: failpoint {FAILPOINT_ENV} at step "
-                                     f"{staged.step} after {len(pieces)} pieces")
-                _synchronize(staged.payload)
-                written += n
-                self.sync.mark_applied(staged.manifest)
-                kind = "anchor" if staged.manifest.kind == "anchor" else "delta"
-                self.stats.add_apply(kind, time.perf_counter() - t0, n)
-            t0 = time.perf_counter()
-            params = [piece.param for piece, _ in undo.entries]
-            if prebuilt is not None and [s.step for s in taken] == [prebuilt.step]:
-                repacked = self.packed.swap(prebuilt, params)
-            else:
-                repacked = self.packed.refresh(params)
-            repack_s = time.perf_counter() - t0
-        except Exception as exc:
-            self.stats.add_failure("apply", exc)
-            error = f"{type(exc).__name__}: {exc}"
-            reverted = self._put_back(undo, before, step, error)
-            self.sync.switch_failed(step, reverted, error)
-            self.mark_written()
-            raise ApplyFailed(str(exc), reverted=reverted) from exc
-        finally:
-            writing.__exit__(None, None, None)
+                params = [piece.param for piece, _ in undo.entries]
+                if prebuilt is not None and [s.step for s in taken] == [prebuilt.step]:
+                    repacked = self.packed.swap(prebuilt, params)
+                else:
+                    repacked = self.packed.refresh(params)
+                repack_s = time.perf_counter() - t0
+            except Exception as exc:
+                self.stats.add_failure("apply", exc)
+                error = f"{type(exc).__name__}: {exc}"
+                reverted = self._put_back(undo, before, step, error)
+                self.sync.switch_failed(step, reverted, error)
+                self.mark_written()
+                raise ApplyFailed(str(exc), reverted=reverted) from exc
         self.mark_written()
         last_apply = {
             "step": step,
