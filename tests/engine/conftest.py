@@ -188,6 +188,14 @@ def engine_status(llm: Any) -> dict[str, Any]:
     return llm.llm_engine.engine_core.call_utility("deltasync_engine_status")
 
 
+def digests_equal_checkpoint(llm: Any, ckpt: Path) -> bool:
+    """Every rank's live weights equal the safetensors checkpoint ``ckpt`` (per-rank digests of
+    the elements it holds; every rank must report some)."""
+    live = llm.collective_rpc("deltasync_weight_digests")
+    want = llm.collective_rpc("deltasync_checkpoint_digests", args=(str(ckpt),))
+    return bool(live) and all(live) and live == want
+
+
 def wait_applied(llm: Any, step: int, timeout_s: float = 60.0) -> list[dict[str, Any]]:
     """Wait until every rank reports ``step`` applied (the engine switches by itself)."""
     deadline = time.monotonic() + timeout_s

@@ -37,6 +37,7 @@ from vllm_deltasync.server.worker.rank import FAILPOINT_ENV
 from .conftest import (
     Trainer,
     close_llm,
+    digests_equal_checkpoint,
     engine_env,
     engine_status,
     free_port,
@@ -46,12 +47,6 @@ from .conftest import (
     requires_vllm,
     wait_applied,
 )
-
-
-def _digests_equal_checkpoint(llm: Any, ckpt: Path) -> bool:
-    live = llm.collective_rpc("deltasync_weight_digests")
-    want = llm.collective_rpc("deltasync_checkpoint_digests", args=(str(ckpt),))
-    return bool(live) and live == want
 
 
 def _get(url: str) -> tuple[int, str]:
@@ -110,7 +105,7 @@ def test_failed_switch_is_taken_back_and_the_engine_keeps_serving(tmp_path: Path
             status = engine_status(llm)
             assert "failpoint" in status["last_error"] and status["weight_version"] == "2"
             assert [r["applied_step"] for r in status["ranks"]] == [2, 2]
-            assert _digests_equal_checkpoint(llm, ckpt2), "the failed switch was not taken back"
+            assert digests_equal_checkpoint(llm, ckpt2), "the failed switch was not taken back"
             started = time.monotonic()
             again = generate(llm, prompts)
             assert time.monotonic() - started < 30, "generation was held after the failure"
@@ -123,12 +118,12 @@ def test_failed_switch_is_taken_back_and_the_engine_keeps_serving(tmp_path: Path
             assert [s["applied_step"] for s in llm.collective_rpc("deltasync_status")] == [2, 2]
             publish(5)  # the anchor
             wait_applied(llm, 5)
-            assert _digests_equal_checkpoint(llm, trainer.save(tmp_path / "ckpt-5"))
+            assert digests_equal_checkpoint(llm, trainer.save(tmp_path / "ckpt-5"))
             publish(6)  # deltas chain from the anchor again
             statuses = wait_applied(llm, 6)
             assert all(s["last_error"] is None for s in statuses), statuses
             ckpt6 = trainer.save(tmp_path / "ckpt-6")
-            assert _digests_equal_checkpoint(llm, ckpt6)
+            assert digests_equal_checkpoint(llm, ckpt6)
             before = generate(llm, prompts)
             _wait_synced(base)
 
@@ -143,7 +138,7 @@ def test_failed_switch_is_taken_back_and_the_engine_keeps_serving(tmp_path: Path
             status = engine_status(llm)
             assert status["weight_version"] == "6", status
             assert [r["applied_step"] for r in status["ranks"]] == [6, 6], status
-            assert _digests_equal_checkpoint(llm, ckpt6), "the switch was not taken back"
+            assert digests_equal_checkpoint(llm, ckpt6), "the switch was not taken back"
             metrics = _get(f"{base}/metrics")[1]
             failures = [line for line in metrics.splitlines()
                         if line.startswith("deltasync_coordinator_failures_total ")]
@@ -155,7 +150,7 @@ def test_failed_switch_is_taken_back_and_the_engine_keeps_serving(tmp_path: Path
             for step in (8, 9, 10):  # 8, 9 chain through the failed 7; 10 is the anchor
                 publish(step)
             wait_applied(llm, 10)
-            assert _digests_equal_checkpoint(llm, trainer.save(tmp_path / "ckpt-10"))
+            assert digests_equal_checkpoint(llm, trainer.save(tmp_path / "ckpt-10"))
             assert not _wait_synced(base)["coordinator"]["failing"]
             final = engine_status(llm)
         finally:

@@ -33,6 +33,7 @@ from .conftest import (
     FreshOutputs,
     Trainer,
     close_llm,
+    digests_equal_checkpoint,
     engine_env,
     engine_status,
     generate,
@@ -46,14 +47,6 @@ from .conftest import (
 STEPS = 5
 FAIL_STEP = 3
 """Rank 1 fails this delta after its first piece; the anchor at 4 (anchor_every=4) resyncs."""
-
-
-def _digests_equal(llm: Any, ckpt: Path) -> None:
-    live = llm.collective_rpc("deltasync_weight_digests")
-    want = llm.collective_rpc("deltasync_checkpoint_digests", args=(str(ckpt),))
-    for rank, (got, exp) in enumerate(zip(live, want, strict=True)):
-        wrong = sorted(n for n in got if got[n] != exp[n])
-        assert got and not wrong, f"rank {rank}: live weights differ from the checkpoint in {wrong}"
 
 
 @requires_vllm
@@ -101,13 +94,13 @@ def test_packed_kernels_follow_and_equal_a_stock_engine(
                     status = engine_status(llm)
                     assert "failpoint" in status["last_error"], status["last_error"]
                     assert status["weight_version"] == str(step - 1)
-                    _digests_equal(llm, checkpoints[step - 1])
+                    assert digests_equal_checkpoint(llm, checkpoints[step - 1]), "not taken back"
                     # the kernels were packed again from the weights put back
                     again = generate(llm, prompts)
                     assert again == outputs[step - 1], "outputs after the taken-back switch differ"
                     continue
                 statuses = wait_applied(llm, step, timeout_s=90)
-                _digests_equal(llm, checkpoints[step])
+                assert digests_equal_checkpoint(llm, checkpoints[step]), f"step {step}: live weights differ"
                 now = [s["cpu_kernels"]["repacked"] for s in statuses]
                 assert all(b > a for a, b in zip(repacked, now, strict=True)), (repacked, now)
                 repacked = now

@@ -38,6 +38,7 @@ from tests.engine.conftest import (
     Trainer,
     api_server,
     close_llm,
+    digests_equal_checkpoint,
     engine_env,
     engine_status,
     free_port,
@@ -55,12 +56,6 @@ from vllm_deltasync.server.worker.rank import FAILPOINT_ENV
 pytestmark = [requires_vllm, pytest.mark.engine]
 
 FAST_RETRY = {"attempts": 2, "base_delay_s": 0.05, "max_delay_s": 0.2}
-
-
-def _digests_equal(llm: Any, ckpt: Path) -> bool:
-    live = llm.collective_rpc("deltasync_weight_digests")
-    want = llm.collective_rpc("deltasync_checkpoint_digests", args=(str(ckpt),))
-    return bool(live) and live == want
 
 
 class Run:
@@ -122,12 +117,12 @@ def test_bucket_unreachable_for_minutes_keeps_serving_and_recovers(run: Run) -> 
     finally:
         run.hub.faults.fail_next = 0
     assert [o["tokens"] for o in during] == [o["tokens"] for o in before]
-    assert status["applied_step"] == 1 and _digests_equal(run.llm, ckpt1)
+    assert status["applied_step"] == 1 and digests_equal_checkpoint(run.llm, ckpt1)
     errors = [n for op, outcome, n in status["counters"]["store_requests"] if outcome == "error"]
     assert errors and sum(errors) > 0  # counted (op, outcome labels: a fixed set)
     ckpt2 = run.publish(2)  # the bucket is back: the engine catches up by itself
     wait_applied(run.llm, 2, timeout_s=60)
-    assert _digests_equal(run.llm, ckpt2)
+    assert digests_equal_checkpoint(run.llm, ckpt2)
     assert_no_secret(json.dumps(status, default=str))
     assert run.hub.token not in json.dumps(status, default=str)
 
@@ -146,7 +141,7 @@ def test_anchor_failing_half_way_holds_then_resyncs(run: Run) -> None:
     # a delta on the half-written weights
     after = engine_status(run.llm)
     assert any("anchor" in (s.get("kinds") or []) for s in after["switches"][failed_at:])
-    assert _digests_equal(run.llm, ckpt4)
+    assert digests_equal_checkpoint(run.llm, ckpt4)
     assert after["weight_version"] == "4"
     assert generate(run.llm, long_prompts(1, seed=3))  # scheduling is no longer held
 
@@ -160,10 +155,10 @@ def test_trainer_restarted_from_an_earlier_step_with_a_new_run(run: Run) -> None
     run.trainer = restarted
     ckpt5 = run.publish(5)  # after the newest committed step; the first step of a run: anchor
     wait_applied(run.llm, 5, timeout_s=60)
-    assert _digests_equal(run.llm, ckpt5)
+    assert digests_equal_checkpoint(run.llm, ckpt5)
     ckpt6 = run.publish(6)
     wait_applied(run.llm, 6, timeout_s=60)
-    assert _digests_equal(run.llm, ckpt6)
+    assert digests_equal_checkpoint(run.llm, ckpt6)
     switches = engine_status(run.llm)["switches"]
     assert switches[-2]["kinds"] == ["anchor"]  # entered run b through its anchor
 

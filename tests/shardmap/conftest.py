@@ -159,6 +159,22 @@ def random_checkpoint(
     return {n: torch.randn(shape, generator=gen).to(torch.bfloat16) for n, (shape, _) in params.items()}
 
 
+def live_checkpoint(world: TPWorld, tmp: Path, kind: str,
+                    seed: int) -> tuple[Path, torch.nn.Module, dict[str, torch.Tensor]]:
+    """A random checkpoint of ``kind`` saved under ``tmp/ckpt`` (the directory a worker's
+    ``model_config.model`` names) and vLLM's model (TP=1) loaded from it: (checkpoint
+    directory, live model, the checkpoint's tensors)."""
+    from safetensors.torch import save_file
+
+    weights = random_checkpoint(world.model(kind).checkpoint_params(), seed=seed)
+    ckpt = tmp / "ckpt"
+    ckpt.mkdir()
+    save_file(weights, str(ckpt / "model.safetensors"))
+    live = world.build(kind, 1, 0)
+    live.load_weights(iter(weights.items()))
+    return ckpt, live, weights
+
+
 def state_bits(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Copies of every parameter's bit pattern (int16 view of bf16)."""
     return {n: p.detach().view(torch.int16).clone() for n, p in model.named_parameters()}

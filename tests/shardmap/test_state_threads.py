@@ -18,14 +18,13 @@ from types import SimpleNamespace
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
 
 from vllm_deltasync import DeltaPublisher
 from vllm_deltasync.config import SyncConfig
 from vllm_deltasync.server.worker.apply import checkpoint_digest, tensor_digest
 from vllm_deltasync.server.worker.rank import RankState
 
-from .conftest import TPWorld, random_checkpoint
+from .conftest import TPWorld, live_checkpoint
 
 
 def _worker(model: torch.nn.Module, ckpt: Path) -> Any:
@@ -51,13 +50,7 @@ def _wait(predicate: Any, timeout_s: float = 30.0) -> None:
 def test_commands_from_two_threads_are_each_visible_in_the_next_status(
     tp_world: TPWorld, tmp_path: Path
 ) -> None:
-    params = tp_world.model("llama_gqa").checkpoint_params()
-    weights = random_checkpoint(params, seed=11)
-    ckpt = tmp_path / "ckpt"
-    ckpt.mkdir()
-    save_file(weights, str(ckpt / "model.safetensors"))
-    live = tp_world.build("llama_gqa", 1, 0)
-    live.load_weights(iter(weights.items()))
+    ckpt, live, weights = live_checkpoint(tp_world, tmp_path, "llama_gqa", seed=11)
 
     url = f"file://{tmp_path}/bucket"
     rank = RankState(_worker(live, ckpt), SyncConfig(url=url, poll_interval_s=0.01))

@@ -17,22 +17,15 @@ from types import SimpleNamespace
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
 
 from vllm_deltasync.config import SyncConfig
 from vllm_deltasync.server.worker.rank import RankState
 
-from .conftest import TPWorld, random_checkpoint
+from .conftest import TPWorld, live_checkpoint
 
 
 def _rank(tp_world: TPWorld, tmp_path: Path) -> tuple[RankState, Any, dict[str, torch.Tensor]]:
-    params = tp_world.model("llama_gqa").checkpoint_params()
-    weights = random_checkpoint(params, seed=21)
-    ckpt = tmp_path / "ckpt"
-    ckpt.mkdir()
-    save_file(weights, str(ckpt / "model.safetensors"))
-    live = tp_world.build("llama_gqa", 1, 0)
-    live.load_weights(iter(weights.items()))
+    ckpt, live, weights = live_checkpoint(tp_world, tmp_path, "llama_gqa", seed=21)
 
     def reload_weights(weights_iterator: Any) -> None:  # as vLLM's runner: load_weights inside
         live.load_weights(weights_iterator)
