@@ -1,4 +1,5 @@
-"""Format v1 buckets written by the v1 publisher (tests/data/v1, committed) stay readable forever.
+"""Buckets written by older publishers stay readable forever: format v1 (tests/data/v1, the v1
+publisher) and format v2 (tests/data/v2, the 0.3.0 publisher), committed.
 
 Each bucket must verify and every step must rebuild bit-exactly (per-tensor sha256 of the
 bf16 bytes, recorded from the trainer when the buckets were written), through the reader and
@@ -21,9 +22,13 @@ from safetensors.torch import load_file
 from vllm_deltasync.cli.bucket import _run_materialize, _run_verify
 from vllm_deltasync.format.reader import BucketReader
 
-DATA = Path(__file__).resolve().parents[1] / "data" / "v1"
-EXPECTED: dict[str, dict[str, dict[str, str]]] = json.loads((DATA / "expected.json").read_text())
-CODECS = sorted(EXPECTED)
+DATA = Path(__file__).resolve().parents[1] / "data"
+EXPECTED: dict[str, dict[str, dict[str, str]]] = {
+    f"v{version}/{codec}": steps
+    for version in (1, 2)
+    for codec, steps in json.loads((DATA / f"v{version}" / "expected.json").read_text()).items()
+}
+BUCKETS = sorted(EXPECTED)
 
 
 def _digest(t: torch.Tensor) -> str:
@@ -33,23 +38,24 @@ def _digest(t: torch.Tensor) -> str:
 @pytest.fixture
 def bucket(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     """A private copy (tests must never alter the committed data)."""
-    codec = request.param
-    shutil.copytree(DATA / codec, tmp_path / codec)
-    return f"file://{tmp_path / codec}"
+    name = request.param
+    shutil.copytree(DATA / name, tmp_path / name)
+    return f"file://{tmp_path / name}"
 
 
 def test_every_codec_and_step_is_present() -> None:
-    assert CODECS == ["sparse-v1", "sparse-v2", "sparse-v2-zstd"]
-    for codec in CODECS:
-        manifests = json.loads((DATA / codec / "manifests" / "000000000004.json").read_text())
-        assert manifests["schema_version"] == 1
+    assert BUCKETS == ["v1/sparse-v1", "v1/sparse-v2", "v1/sparse-v2-zstd", "v2/sparse-v2", "v2/sparse-v3"]
+    for name in BUCKETS:
+        version, codec = name.split("/")
+        manifests = json.loads((DATA / name / "manifests" / "000000000004.json").read_text())
+        assert manifests["schema_version"] == int(version[1:])
         assert {t["encoding"] for t in manifests["tensors"]} == {codec}
-        assert sorted(EXPECTED[codec]) == ["0", "1", "2", "3", "4"]
+        assert sorted(EXPECTED[name]) == ["0", "1", "2", "3", "4"]
 
 
-@pytest.mark.parametrize("bucket", CODECS, indirect=True)
-def test_v1_bucket_verifies_and_rebuilds_bit_exactly(bucket: str, run: Any) -> None:
-    codec = bucket.rsplit("/", 1)[1]
+@pytest.mark.parametrize("bucket", BUCKETS, indirect=True)
+def test_old_bucket_verifies_and_rebuilds_bit_exactly(bucket: str, run: Any) -> None:
+    name = "/".join(bucket.rsplit("/", 2)[1:])
 
     async def go() -> tuple[list[str], dict[int, dict[str, str]]]:
         async with BucketReader.open(bucket) as reader:
@@ -61,13 +67,13 @@ def test_v1_bucket_verifies_and_rebuilds_bit_exactly(bucket: str, run: Any) -> N
 
     problems, rebuilt = run(go())
     assert problems == []
-    assert {str(s): d for s, d in rebuilt.items()} == EXPECTED[codec]
+    assert {str(s): d for s, d in rebuilt.items()} == EXPECTED[name]
 
 
-@pytest.mark.parametrize("bucket", CODECS, indirect=True)
-def test_v1_bucket_through_cli_verify_and_materialize(bucket: str, tmp_path: Path,
-                                                      capsys: pytest.CaptureFixture[str]) -> None:
-    codec = bucket.rsplit("/", 1)[1]
+@pytest.mark.parametrize("bucket", BUCKETS, indirect=True)
+def test_old_bucket_through_cli_verify_and_materialize(bucket: str, tmp_path: Path,
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    name = "/".join(bucket.rsplit("/", 2)[1:])
     assert _run_verify(argparse.Namespace(url=bucket)) == 0
     assert "ok: 5 steps verified" in capsys.readouterr().out
     for step in (2, 4):
@@ -75,4 +81,4 @@ def test_v1_bucket_through_cli_verify_and_materialize(bucket: str, tmp_path: Pat
         args = argparse.Namespace(url=bucket, step=step, out=str(out), force=False)
         assert _run_materialize(args) == 0
         tensors = load_file(str(out / "model.safetensors"))
-        assert {k: _digest(v) for k, v in tensors.items()} == EXPECTED[codec][str(step)]
+        assert {k: _digest(v) for k, v in tensors.items()} == EXPECTED[name][str(step)]
