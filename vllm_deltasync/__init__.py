@@ -41,7 +41,7 @@ from vllm_deltasync.trainer.publisher import DeltaPublisher
 
 _moved.install()
 
-__version__ = "0.3.0"
+__version__ = "0.4.0"
 
 
 def __getattr__(name: str) -> Any:

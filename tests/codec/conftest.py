@@ -57,7 +57,7 @@ def gen() -> torch.Generator:
     return torch.Generator().manual_seed(1234)
 
 
-def publish_and_read_back(tmp_path: Path, codec: str) -> Path:
+def publish_and_read_back(tmp_path: Path, codec: str, *, format_version: int = 3) -> Path:
     """Five steps of a trainer publishing with ``codec`` through the real publisher to a file://
     bucket (anchor every 3rd), read back by the real reader: steps 2 and 4 (deltas, written with
     ``codec`` only) must equal the trainer's tensors bit for bit. Returns the bucket directory."""
@@ -70,7 +70,7 @@ def publish_and_read_back(tmp_path: Path, codec: str) -> Path:
     w = {"a": torch.randn(64, 48, generator=gen).to(torch.bfloat16),
          "b": torch.randn(3000, generator=gen).to(torch.bfloat16)}
     states = []
-    with DeltaPublisher(url, codec=codec, anchor_every=3) as pub:
+    with DeltaPublisher(url, codec=codec, anchor_every=3, format_version=format_version) as pub:
         for step in range(5):
             for t in w.values():
                 flat = t.view(-1).view(torch.int16)

@@ -305,7 +305,7 @@ def test_decoded_indices_must_stay_in_the_region() -> None:
 
 
 def test_publisher_round_trip_and_requires(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    publish_and_read_back(tmp_path, "sparse-v3")
+    publish_and_read_back(tmp_path, "sparse-v3", format_version=2)  # for 0.3.x readers
     delta = (tmp_path / "bucket" / "manifests" / f"{4:012d}.json").read_bytes()
     anchor = (tmp_path / "bucket" / "manifests" / f"{3:012d}.json").read_bytes()
     assert json.loads(delta)["requires"] == "vllm-deltasync>=0.3.0"

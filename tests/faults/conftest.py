@@ -21,6 +21,7 @@ import pytest
 from aiohttp import web
 
 from tests.format.conftest import Trainer, publish_run, reindex
+from vllm_deltasync.format.manifest import dump_document, load_document
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -111,11 +112,12 @@ def small_bucket(tmp_path: Path) -> tuple[str, dict[int, Any]]:
 
 
 def manifest_doc(root: Path, step: int) -> dict[str, Any]:
-    return json.loads((root / "manifests" / f"{step:012d}.json").read_text())
+    """The manifest's document, a version 3 tensor table expanded (``write_doc`` deflates it again)."""
+    return load_document((root / "manifests" / f"{step:012d}.json").read_bytes())  # type: ignore[no-any-return]
 
 
 def write_doc(root: Path, step: int, doc: dict[str, Any] | bytes) -> None:
-    data = doc if isinstance(doc, bytes) else json.dumps(doc).encode()
+    data = doc if isinstance(doc, bytes) else dump_document(doc)
     (root / "manifests" / f"{step:012d}.json").write_bytes(data)
 
 

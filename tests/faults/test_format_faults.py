@@ -31,7 +31,7 @@ from tests.format.conftest import Trainer, bits_equal, publish_run, read_full
 from vllm_deltasync.cli.bucket import _run_verify
 from vllm_deltasync.config import SyncConfig
 from vllm_deltasync.errors import FormatError
-from vllm_deltasync.format.manifest import Manifest, fingerprint
+from vllm_deltasync.format.manifest import Manifest, dump_document, fingerprint
 from vllm_deltasync.format.reader import BucketReader
 from vllm_deltasync.server.worker.poller import Poller
 
@@ -198,7 +198,7 @@ def test_shape_of_1e15_elements_is_refused_by_the_parser(small_bucket: tuple[str
     doc["tensors"][0]["shape"] = [10**15]
     write_doc(root_of(url), 2, doc)
     with pytest.raises(FormatError, match="claims 1000000000000000 elements"):
-        Manifest.from_json(json.dumps(doc).encode(), source="x")
+        Manifest.from_json(dump_document(doc), source="x")
     rc, _, err = cli(capsys, "materialize", url, "--step", "2", "--out", str(root_of(url).parent / "o"))
     one_line_error(rc, err)
 
@@ -220,7 +220,7 @@ def test_region_rows_beyond_the_tensor_are_refused(small_bucket: tuple[str, Any]
 def _doc_bytes(url: str, step: int, mutate: Any) -> bytes:
     doc = manifest_doc(root_of(url), step)
     out = mutate(doc)
-    return out if isinstance(out, bytes) else json.dumps(doc).encode()
+    return out if isinstance(out, bytes) else dump_document(doc)
 
 
 PARSER_CASES = {

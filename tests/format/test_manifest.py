@@ -59,7 +59,7 @@ def test_json_round_trip() -> None:
 @pytest.mark.parametrize(
     ("field", "value", "needle"),
     [
-        ("schema_version", 3, "schema_version 3"),
+        ("schema_version", 4, "schema_version 4"),
         ("format", "other", "format is 'other'"),
         ("kind", "full", "kind 'full'"),
         ("base_step", 50, "base_step"),

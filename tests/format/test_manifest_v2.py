@@ -29,7 +29,7 @@ def make_v2() -> Manifest:
     files = (FileEntry(data_path(7, "ab12cd34ef567890", 0), 120, "ab" * 32, {"w": ((80, 40),)}),)
     return Manifest(7, "anchor", None, 7, 1.5, fingerprint([("w", (4, 5), "bfloat16")]), files,
                     (tensor,), Totals(1, 20, 20, 120), run_id="0123456789abcdef",
-                    writer="fedcba9876543210")
+                    writer="fedcba9876543210", schema_version=2)
 
 
 def test_v2_round_trip_names_its_versions() -> None:
@@ -45,12 +45,12 @@ def test_v2_round_trip_names_its_versions() -> None:
 
 def test_newer_format_is_refused_in_one_line_naming_the_reader_it_needs() -> None:
     doc = json.loads(make_v2().to_json())
-    doc["schema_version"], doc["requires"] = 3, "vllm-deltasync>=0.7.0"
+    doc["schema_version"], doc["requires"] = 4, "vllm-deltasync>=0.7.0"
     with pytest.raises(FormatError) as err:
         Manifest.from_json(json.dumps(doc).encode(), source="m.json")
     msg = str(err.value)
-    assert "\n" not in msg and "schema_version 3" in msg and "vllm-deltasync>=0.7.0" in msg
-    assert "reads format versions 1, 2" in msg
+    assert "\n" not in msg and "schema_version 4" in msg and "vllm-deltasync>=0.7.0" in msg
+    assert "reads format versions 1, 2, 3" in msg
 
 
 @pytest.mark.parametrize(("encoding", "version"), [("sparse-v9", 1), ("dense", 2)])

@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import copy
-import json
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -25,7 +24,13 @@ from vllm_deltasync import DeltaPublisher
 from vllm_deltasync.cli.bucket import _run_materialize, _run_verify
 from vllm_deltasync.config import SyncConfig
 from vllm_deltasync.errors import FormatError, IntegrityError
-from vllm_deltasync.format.manifest import Manifest, fingerprint
+from vllm_deltasync.format.manifest import (
+    SCHEMA_VERSION,
+    Manifest,
+    dump_document,
+    fingerprint,
+    load_document,
+)
 from vllm_deltasync.format.reader import BucketReader
 from vllm_deltasync.server.worker.poller import Poller
 
@@ -34,11 +39,11 @@ SHAPES = {"a.weight": (64, 48), "b.weight": (48,), "c.weight": (40, 32), "d.weig
 
 
 def _manifest_doc(root: Path, step: int) -> dict[str, Any]:
-    return json.loads((root / "manifests" / f"{step:012d}.json").read_text())
+    return load_document((root / "manifests" / f"{step:012d}.json").read_bytes())  # type: ignore[no-any-return]
 
 
 def _write_doc(root: Path, step: int, doc: dict[str, Any]) -> None:
-    (root / "manifests" / f"{step:012d}.json").write_text(json.dumps(doc))
+    (root / "manifests" / f"{step:012d}.json").write_bytes(dump_document(doc))
 
 
 @pytest.mark.parametrize("codec", CODECS)
@@ -49,7 +54,7 @@ def test_v2_round_trip_every_codec_bit_exact(bucket: str, codec: str, tmp_path: 
     root = Path(bucket[len("file://"):])
     for step, kind in ((0, "anchor"), (1, "delta"), (3, "anchor"), (6, "anchor")):
         doc = _manifest_doc(root, step)
-        assert doc["schema_version"] == 2 and doc["kind"] == kind
+        assert doc["schema_version"] == SCHEMA_VERSION and doc["kind"] == kind
         assert {t["encoding"] for t in doc["tensors"]} == {"dense" if kind == "anchor" else codec}
         assert all(t["codec_version"] == 1 for t in doc["tensors"])
         assert len(doc["files"]) > 1 or kind == "delta"  # anchors span files

@@ -128,7 +128,7 @@ def test_restart_with_the_same_token_cleans_its_own_orphans(tmp_path: Path) -> N
 def test_token_options_are_checked(tmp_path: Path) -> None:
     from vllm_deltasync.errors import ConfigError
 
-    for bad in ({"writer_token": "XYZ"}, {"run_id": "12"}, {"format_version": 3}):
+    for bad in ({"writer_token": "XYZ"}, {"run_id": "12"}, {"format_version": 4}):
         with pytest.raises(ConfigError):
             DeltaPublisher(f"file://{tmp_path}/b", **bad)  # type: ignore[arg-type]
 

@@ -12,10 +12,13 @@ naming the source when anything is off, so code past it can trust the fields.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import hashlib
 import json
 import math
 import re
+import zlib
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -26,11 +29,11 @@ from vllm_deltasync.format.layout import manifest_path
 Kind = Literal["anchor", "delta"]
 
 FORMAT_NAME = "vllm-deltasync"
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 """The newest format version: what the publisher writes and the highest one this reader reads."""
-READS = (1, 2)
+READS = (1, 2, 3)
 """Format versions this reader reads (version 1 is read indefinitely)."""
-MIN_READER = {1: "0.1.0", 2: "0.2.0"}
+MIN_READER = {1: "0.1.0", 2: "0.2.0", 3: "0.4.0"}
 """Format version -> the first vllm-deltasync release that reads it (written as ``requires``)."""
 ROLE_DTYPES = ("BF16", "I16", "I32", "I64", "U8")
 """Safetensors dtypes a v2 chunk role may have."""
@@ -245,7 +248,9 @@ class Manifest:
         }
 
     def to_json(self) -> bytes:
-        return json.dumps(self.to_dict(), separators=(",", ":")).encode("utf-8")
+        """The manifest document. Version 3 stores the tensor table deflated (§4 of
+        docs/format.md); :meth:`to_dict` is the same document with the table expanded."""
+        return dump_document(self.to_dict())
 
     @classmethod
     def from_json(cls, data: bytes, *, source: str) -> Manifest:
@@ -265,12 +270,31 @@ class Manifest:
         except ValueError as exc:  # NaN / Infinity
             raise FormatError(f"{source}: {exc}") from None
         try:
+            if isinstance(doc, dict) and doc.get("schema_version") == 3 and doc.get("format") == FORMAT_NAME:
+                doc = _expand(doc)
             return _from_dict(doc)
         except FormatError as exc:
             raise FormatError(f"{source}: {exc}") from exc
         except (KeyError, TypeError, ValueError, OverflowError, RecursionError) as exc:
             raise FormatError(f"{source}: malformed manifest ({type(exc).__name__}: "
                               f"{str(exc)[:200]})") from None
+
+
+def load_document(data: bytes) -> Any:
+    """The JSON document of manifest bytes, a version 3 tensor table expanded to the version 2
+    shape (for tools that read or edit manifests; :meth:`Manifest.from_json` validates)."""
+    doc = json.loads(bytes(data).decode("utf-8"), parse_constant=_no_constant)
+    if isinstance(doc, dict) and doc.get("schema_version") == 3 and TABLE_KEY in doc:
+        doc = _expand(doc)
+    return doc
+
+
+def dump_document(doc: Mapping[str, Any]) -> bytes:
+    """Manifest bytes of an expanded document (:func:`load_document`'s inverse): a version 3
+    document is written with its tensor table deflated."""
+    if doc.get("schema_version") == 3 and "tensors" in doc:
+        doc = _compact(dict(doc))
+    return json.dumps(doc, separators=(",", ":")).encode("utf-8")
 
 
 def _no_constant(name: str) -> Any:
@@ -319,6 +343,71 @@ def _to_dict_v2(m: Manifest) -> dict[str, Any]:
         "totals": {"tensors": m.totals.tensors, "elements": m.totals.elements,
                    "changed": m.totals.changed, "bytes": m.totals.bytes},
     }
+
+
+TABLE_KEY = "tensors_deflate"
+"""Version 3: the field holding the tensor table, base64 of zlib-deflated compact JSON."""
+
+
+def _compact(doc: dict[str, Any]) -> dict[str, Any]:
+    """Version 3 document from the expanded one: the tensor table deflated, each file's index
+    left out (it is exactly the merged byte ranges of its chunks: the reader rebuilds it)."""
+    out = {k: v for k, v in doc.items() if k != "tensors"}
+    out["files"] = [{k: v for k, v in f.items() if k != "index"} for f in doc["files"]]
+    table = json.dumps(doc["tensors"], separators=(",", ":")).encode("utf-8")
+    out[TABLE_KEY] = base64.b64encode(zlib.compress(table, 9)).decode("ascii")
+    return out
+
+
+def _expand(doc: dict[str, Any]) -> dict[str, Any]:
+    """The expanded version 3 document (tensor table inflated, file indexes rebuilt); the
+    inflated size is bounded by :data:`MAX_MANIFEST_BYTES` before anything is allocated by it."""
+    raw = doc.get(TABLE_KEY)
+    if not isinstance(raw, str):
+        raise FormatError(f"field {TABLE_KEY!r} must be a base64 string")
+    try:
+        deflated = base64.b64decode(raw, validate=True)
+    except (binascii.Error, ValueError):
+        raise FormatError(f"field {TABLE_KEY!r} is not valid base64") from None
+    inflater = zlib.decompressobj()
+    try:
+        table = inflater.decompress(deflated, MAX_MANIFEST_BYTES)
+    except zlib.error as exc:
+        raise FormatError(f"field {TABLE_KEY!r} is not a zlib stream ({exc})") from None
+    if inflater.unconsumed_tail:
+        raise FormatError(f"field {TABLE_KEY!r} inflates to more than {MAX_MANIFEST_BYTES} bytes")
+    if not inflater.eof or inflater.unused_data:
+        raise FormatError(f"field {TABLE_KEY!r}: the zlib stream is truncated or followed by junk")
+    try:
+        tensors = json.loads(table.decode("utf-8"), parse_constant=_no_constant)
+    except UnicodeDecodeError as exc:
+        raise FormatError(f"field {TABLE_KEY!r}: the table is not UTF-8 ({exc.reason})") from None
+    except json.JSONDecodeError as exc:
+        raise FormatError(f"field {TABLE_KEY!r}: the table is not valid JSON ({exc.msg})") from None
+    if not isinstance(tensors, list) or not all(isinstance(t, dict) for t in tensors):
+        raise FormatError(f"field {TABLE_KEY!r}: the table is not a list of tensor objects")
+    files = doc["files"]
+    if not isinstance(files, list) or not all(isinstance(f, dict) for f in files):
+        raise FormatError("field 'files' must be a list of objects")
+    ranges: list[dict[str, list[tuple[int, int]]]] = [{} for _ in files]
+    for t in tensors:
+        for c in t.get("chunks") or ():
+            if not isinstance(c, dict):
+                continue  # the v2 parser names the defect
+            file, roles = c.get("file"), c.get("roles")
+            if (not isinstance(file, int) or isinstance(file, bool) or not 0 <= file < len(files)
+                    or not isinstance(roles, dict)):
+                continue  # the v2 parser names the defect
+            for r in roles.values():
+                if isinstance(r, dict) and _is_int(r.get("offset")) and _is_int(r.get("length")):
+                    ranges[file].setdefault(str(t.get("name")), []).append((r["offset"], r["length"]))
+    out = {k: v for k, v in doc.items() if k != TABLE_KEY}
+    if any("index" in f for f in files):
+        raise FormatError("a version 3 manifest lists no file index (the reader rebuilds it)")
+    out["files"] = [{**f, "index": {str(n): [list(r) for r in merge_ranges(rs)] for n, rs in found.items()}}
+                    for f, found in zip(files, ranges, strict=True)]
+    out["tensors"] = tensors
+    return out
 
 
 def _tensor_to_dict(t: TensorEntry) -> dict[str, Any]:
@@ -384,7 +473,7 @@ def _from_dict(doc: Any) -> Manifest:
     run_id, writer, requires = _hex_id(doc, "run_id"), _hex_id(doc, "writer"), _str(doc, "requires")
     _check_file_index(files, tensors)
     return Manifest(step, kind, base, anchor, float(created), fp, files, tensors, totals,
-                    schema_version=2, run_id=run_id, writer=writer, requires=requires)
+                    schema_version=version, run_id=run_id, writer=writer, requires=requires)
 
 
 def _too_new(version: Any, requires: Any) -> str:
@@ -585,9 +674,12 @@ __all__ = [
     "MIN_READER",
     "READS",
     "SCHEMA_VERSION",
+    "TABLE_KEY",
     "Chunk",
     "Region",
     "RoleRange",
+    "dump_document",
+    "load_document",
     "merge_ranges",
     "FileEntry",
     "Kind",

@@ -310,11 +310,12 @@ def write_step(store: Store, loop: BackgroundLoop, step: int, kind: Kind, base_s
                run_id: str | None = None, writer: str | None = None) -> Manifest:
     """Write the data files of one step, then its manifest. Returns the committed manifest.
 
-    ``version`` 2 (default) needs ``run_id`` and ``writer`` (lowercase hex); 1 writes the old
-    format (no writer token, chunks placed by position).
+    ``version`` 3 (default) and 2 need ``run_id`` and ``writer`` (lowercase hex); 1 writes the
+    old format (no writer token, chunks placed by position).
     """
-    if version not in (1, 2) or (version == 2 and not (run_id and writer)):
-        raise FormatError(f"write_step: format version {version!r} needs run_id and writer (v2) or is unknown")
+    if version not in (1, 2, 3) or (version >= 2 and not (run_id and writer)):
+        raise FormatError(f"write_step: format version {version!r} needs run_id and writer (v2, v3) "
+                          "or is unknown")
     file_entries, entries = write_files(
         store, loop, step, kind, items, codec=codec, max_file_bytes=max_file_bytes,
         timeout_s=timeout_s, version=version, writer=writer)
