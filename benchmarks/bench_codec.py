@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import os
 import tempfile
 import time
@@ -29,6 +28,7 @@ import torch
 
 from vllm_deltasync.format.codec import Codec
 from vllm_deltasync.format.codecs import get_codec
+from vllm_deltasync.format.manifest import load_document
 
 LRS = (1e-7, 1e-6, 3e-6, 1e-5)
 """1e-7: ~0.1% of elements change per step; 1e-6: ~1%; 3e-6: ~3%; 1e-5: ~12%."""
@@ -123,8 +123,9 @@ def _best_cpu_s(fn: Callable[[], object], repeat: int) -> float:
     return best
 
 
-def published_bytes(codec: str, delta: Delta) -> tuple[int, int, int]:
-    """(data file bytes, manifest bytes, changed elements) of ``delta`` published as one step.
+def published_bytes(codec: str, delta: Delta, format_version: int | None = None) -> tuple[int, int, int]:
+    """(data file bytes, manifest bytes, changed elements) of ``delta`` published as one step
+    (in the publisher's default format version unless ``format_version`` is given).
 
     The base is published first as an anchor to a temporary ``file://`` bucket, then the new
     weights as a delta with ``codec``; the delta step's files and manifest are counted on disk.
@@ -132,12 +133,13 @@ def published_bytes(codec: str, delta: Delta) -> tuple[int, int, int]:
     from vllm_deltasync.trainer.publisher import DeltaPublisher
 
     with tempfile.TemporaryDirectory() as tmp:
-        with DeltaPublisher(f"file://{tmp}", codec=codec, anchor_every=1000) as pub:
+        options = {} if format_version is None else {"format_version": format_version}
+        with DeltaPublisher(f"file://{tmp}", codec=codec, anchor_every=1000, **options) as pub:
             pub.publish(0, delta.old)
             pub.publish(1, delta.new)
         with open(os.path.join(tmp, "manifests", f"{1:012d}.json"), "rb") as f:
             manifest = f.read()
-        doc = json.loads(manifest)
+        doc = load_document(manifest)
         assert doc["kind"] == "delta"
         data = sum(os.path.getsize(os.path.join(tmp, f["path"])) for f in doc["files"])
         return data, len(manifest), int(doc["totals"]["changed"])
@@ -145,8 +147,9 @@ def published_bytes(codec: str, delta: Delta) -> tuple[int, int, int]:
 
 def size_table(deltas: list[Delta]) -> tuple[str, dict[tuple[float, str], float]]:
     """Payload B/el, all-bytes B/el (files + headers + manifest) and step / full bf16, per codec."""
-    rows = ["| lr | changed | " + " | ".join(f"{c} B/el | {c} all B/el | {c} step/full" for c in CODECS) + " |",
-            "|---|---|" + "---|---|---|" * len(CODECS)]
+    rows = ["| lr | changed | " + " | ".join(f"{c} B/el | {c} all B/el | {c} step/full" for c in CODECS)
+            + f" | {CODECS[-1]} all B/el, format 2 manifest |",
+            "|---|---|" + "---|---|---|" * len(CODECS) + "---|"]
     per_el: dict[tuple[float, str], float] = {}
     for delta in deltas:
         changed = delta.changed()
@@ -160,6 +163,8 @@ def size_table(deltas: list[Delta]) -> tuple[str, dict[tuple[float, str], float]
             per_el[(delta.lr, name + " all")] = (data + manifest) / max(n, 1)
             cells.append(f"{nbytes / max(n, 1):.3f} | {(data + manifest) / max(n, 1):.3f} | "
                          f"{(data + manifest) / (2 * delta.numel):.5f}")
+        data, manifest, _ = published_bytes(CODECS[-1], delta, format_version=2)
+        cells.append(f"{(data + manifest) / max(n, 1):.3f}")
         rows.append(f"| {delta.lr:g} | {n:,} ({n / delta.numel:.2%}) | " + " | ".join(cells) + " |")
     return "\n".join(rows), per_el
 
@@ -267,8 +272,10 @@ def run(quick: bool = False) -> str:
         f"Llama-shaped model, {WARMUP_STEPS} warm-up steps)\n\n"
         "B/el: encoded payload bytes per changed element; all B/el: every byte of the published "
         "step per changed element (data files with their safetensors headers, plus the manifest; "
-        "`DeltaPublisher` to a temporary file:// bucket); step/full: all bytes of the step / the "
-        "full bf16 checkpoint.\n\n"
+        "`DeltaPublisher` to a temporary file:// bucket, format version 3: the manifest's tensor "
+        "table deflated); step/full: all bytes of the step / the full bf16 checkpoint. Last "
+        "column: the same step published with `format_version=2` (plain JSON tensor table, as "
+        "0.3.0 wrote it).\n\n"
         f"{sizes}\n\n### Dense fallback (synthetic steps at high density)\n\n{dense}\n\n"
         f"### Codec throughput (lr 3e-6 delta, one core, CPU time)\n\n{thr}\n\n"
         f"### Codec throughput (lr 1e-6 delta, ~1% changed, one core, CPU time)\n\n{thr1}\n\n{gpu}\n\n"

@@ -462,7 +462,10 @@ def _sparse_piece(
     sub, vals = indices[a:z], values[a:z]
     if len(b.sizes) == 1 and b.src_strides[0] == 1:  # one range: a shift (and a scale)
         d = b.dst_strides[0]
-        shifted = sub + (b.dst_offset - lo) if d == 1 else (sub - lo) * d + b.dst_offset
+        if d == 1:  # no copy when the block maps onto itself (TP=1: most parameters)
+            shifted = sub if b.dst_offset == lo else sub + (b.dst_offset - lo)
+        else:
+            shifted = (sub - lo) * d + b.dst_offset
         return Piece(target.param, target.runtime_indices(shifted), vals, relative=relative)
     rest = sub - lo
     local: torch.Tensor | None = None
