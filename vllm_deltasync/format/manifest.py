@@ -19,9 +19,9 @@ import json
 import math
 import re
 import zlib
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, TypeGuard
 
 from vllm_deltasync.errors import FormatError
 from vllm_deltasync.format.layout import manifest_path
@@ -389,23 +389,22 @@ def _expand(doc: dict[str, Any]) -> dict[str, Any]:
     files = doc["files"]
     if not isinstance(files, list) or not all(isinstance(f, dict) for f in files):
         raise FormatError("field 'files' must be a list of objects")
-    ranges: list[dict[str, list[tuple[int, int]]]] = [{} for _ in files]
-    for t in tensors:
-        for c in t.get("chunks") or ():
-            if not isinstance(c, dict):
-                continue  # the v2 parser names the defect
-            file, roles = c.get("file"), c.get("roles")
-            if (not isinstance(file, int) or isinstance(file, bool) or not 0 <= file < len(files)
-                    or not isinstance(roles, dict)):
-                continue  # the v2 parser names the defect
-            for r in roles.values():
-                if isinstance(r, dict) and _is_int(r.get("offset")) and _is_int(r.get("length")):
-                    ranges[file].setdefault(str(t.get("name")), []).append((r["offset"], r["length"]))
-    out = {k: v for k, v in doc.items() if k != TABLE_KEY}
     if any("index" in f for f in files):
         raise FormatError("a version 3 manifest lists no file index (the reader rebuilds it)")
-    out["files"] = [{**f, "index": {str(n): [list(r) for r in merge_ranges(rs)] for n, rs in found.items()}}
-                    for f, found in zip(files, ranges, strict=True)]
+
+    def role_ranges() -> Iterator[tuple[int, str, int, int]]:
+        for t in tensors:  # malformed entries are skipped here; the v2 parser names them
+            for c in t.get("chunks") or ():
+                file, roles = (c.get("file"), c.get("roles")) if isinstance(c, dict) else (None, None)
+                if not _is_int(file) or not 0 <= file < len(files) or not isinstance(roles, dict):
+                    continue
+                for r in roles.values():
+                    if isinstance(r, dict) and _is_int(r.get("offset")) and _is_int(r.get("length")):
+                        yield file, str(t.get("name")), r["offset"], r["length"]
+
+    out = {k: v for k, v in doc.items() if k != TABLE_KEY}
+    out["files"] = [{**f, "index": {n: [list(r) for r in rs] for n, rs in index.items()}}
+                    for f, index in zip(files, _file_indexes(len(files), role_ranges()), strict=True)]
     out["tensors"] = tensors
     return out
 
@@ -492,16 +491,23 @@ def _hex_id(doc: Mapping[str, Any], key: str) -> str:
     return value
 
 
+def _file_indexes(n_files: int, role_ranges: Iterable[tuple[int, str, int, int]]
+                  ) -> list[dict[str, tuple[tuple[int, int], ...]]]:
+    """Each file's index (§4): tensor name -> the merged ``(offset, length)`` byte ranges of its
+    chunks' roles in that file, from ``(file, tensor name, offset, length)`` of every role."""
+    ranges: list[dict[str, list[tuple[int, int]]]] = [{} for _ in range(n_files)]
+    for file, name, offset, length in role_ranges:
+        ranges[file].setdefault(name, []).append((offset, length))
+    return [{name: merge_ranges(rs) for name, rs in found.items()} for found in ranges]
+
+
 def _check_file_index(files: Sequence[FileEntry], tensors: Sequence[TensorEntry]) -> None:
     """Each file's index must be exactly the merged byte ranges of the chunks it holds."""
-    ranges: list[dict[str, list[tuple[int, int]]]] = [{} for _ in files]
-    for t in tensors:
-        for c in t.chunks:
-            for r in (c.roles or {}).values():
-                ranges[c.file].setdefault(t.name, []).append((r.offset, r.length))
-    for f, found in zip(files, ranges, strict=True):
-        expected = {name: merge_ranges(rs) for name, rs in found.items()}
-        if dict(f.index or {}) != expected:
+    expected = _file_indexes(len(files), ((c.file, t.name, r.offset, r.length)
+                                          for t in tensors for c in t.chunks
+                                          for r in (c.roles or {}).values()))
+    for f, index in zip(files, expected, strict=True):
+        if dict(f.index or {}) != index:
             raise FormatError(f"the index of {f.path} does not match the byte ranges of its chunks")
 
 
@@ -555,7 +561,7 @@ def _file_from_dict(doc: Mapping[str, Any], version: int) -> FileEntry:
     return FileEntry(path, size, sha, index)
 
 
-def _is_int(x: Any) -> bool:
+def _is_int(x: Any) -> TypeGuard[int]:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
