@@ -162,7 +162,10 @@ def test_kernels_packed_ahead_equal_kernels_packed_at_the_switch(
             state._prebuilt = packed.prebuild(2, state.write_seq, pieces, 1 << 30)
             seq = state.write_seq
             with state._writing():
-                pass
+                with state._writing():  # a put-back inside a failed apply: still writing
+                    assert state.write_seq % 2 == 1
+                assert state.write_seq % 2 == 1
+            assert state.write_seq == seq + 2
             assert state._take_prebuilt(2) is None
             assert packed.status()["prebuilt_discarded"] == 1
             state._prebuilt = packed.prebuild(3, state.write_seq, pieces, 1 << 30)

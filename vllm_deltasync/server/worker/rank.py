@@ -104,6 +104,8 @@ class RankState:
         thread). Kernels packed ahead on the poller thread are used only if it did not move."""
         self._prebuilt: Prebuilt | None = None
         self._prebuilt_lock = threading.Lock()
+        self._write_depth = 0
+        """Nesting of :meth:`_writing` (a put-back runs inside the failed apply's write)."""
         self.param_ids = _param_ids(self.model)
         self.param_versions = _param_versions(self.model)
         self.reloads = 0
@@ -335,14 +337,19 @@ class RankState:
 
     @contextlib.contextmanager
     def _writing(self) -> Iterator[None]:
-        """Main thread: around every write of ours to the weights (``write_seq`` odd inside)."""
+        """Main thread: around every write of ours to the weights (``write_seq`` odd inside,
+        nested writes included: only the outermost moves it)."""
         with self._prebuilt_lock:
-            self.write_seq += 1
+            self._write_depth += 1
+            if self._write_depth == 1:
+                self.write_seq += 1
         try:
             yield
         finally:
             with self._prebuilt_lock:
-                self.write_seq += 1
+                self._write_depth -= 1
+                if self._write_depth == 0:
+                    self.write_seq += 1
 
     def apply(self, step: int) -> dict[str, Any]:
         """Main thread, between model steps: write every staged step up to ``step``.
