@@ -70,7 +70,7 @@ def compact(pieces: Iterable[Piece], *, limit: int = INDEX_SPAN) -> list[Piece]:
             continue
         values = _own(values.reshape(-1), param)
         if indices.dtype == torch.int32 and piece.span is not None:
-            out.append(_replace(piece, indices, values))
+            out.append(replace_piece(piece, indices, values))
             continue
         out.extend(_segments(param, indices, values, piece.relative, piece.base, limit))
     return out
@@ -116,9 +116,12 @@ def _segments(param: torch.Tensor, indices: torch.Tensor, values: torch.Tensor, 
     return out
 
 
-def _replace(piece: Piece, indices: torch.Tensor | None, values: torch.Tensor) -> Piece:
-    return Piece(piece.param, indices, values, dense=piece.dense, relative=piece.relative,
-                 base=piece.base, span=piece.span)
+def replace_piece(piece: Piece, indices: torch.Tensor | None, values: torch.Tensor, *,
+                  param: torch.Tensor | None = None) -> Piece:
+    """``piece`` with other indices and values (and, given ``param``, written into another
+    tensor of the same shape: a copy of the parameter); every other attribute kept."""
+    return Piece(piece.param if param is None else param, indices, values, dense=piece.dense,
+                 relative=piece.relative, base=piece.base, span=piece.span)
 
 
 def prepare(pieces: Iterable[Piece], *, non_blocking: bool = False,
@@ -145,7 +148,7 @@ def prepare(pieces: Iterable[Piece], *, non_blocking: bool = False,
         if indices is not None:
             indices = indices.to(device, non_blocking=non_blocking)
         values = piece.values.to(device, non_blocking=non_blocking)
-        out.append(_replace(piece, indices, values))
+        out.append(replace_piece(piece, indices, values))
     return out
 
 
@@ -154,7 +157,7 @@ def _pinned(piece: Piece) -> Piece:
     indices = piece.indices
     if indices is not None:
         indices = indices.contiguous().pin_memory()
-    return _replace(piece, indices, piece.values.contiguous().pin_memory())
+    return replace_piece(piece, indices, piece.values.contiguous().pin_memory())
 
 
 def device_nbytes(pieces: Iterable[Piece]) -> int:
@@ -281,11 +284,10 @@ class Undo:
             piece, old = self.entries.pop()
             flat = _flat(piece)
             if piece.relative:
-                back = _replace(piece, piece.indices, -piece.values)
+                back = replace_piece(piece, piece.indices, -piece.values)
             else:
                 assert old is not None
-                back = Piece(piece.param, piece.indices, old, dense=piece.dense, relative=False,
-                             base=piece.base, span=piece.span)
+                back = replace_piece(piece, piece.indices, old)  # absolute: relative is False
             _write(flat, back)
 
 

@@ -116,7 +116,7 @@ class PackedLayers:
         current weights with ``pieces`` written in. None when there is nothing to build, the
         copies would exceed ``limit_bytes``, or a piece is dense (anchors: packed at the switch).
         The caller checks that no write happened meanwhile (``seq``)."""
-        from vllm_deltasync.server.worker.apply import apply_patches
+        from vllm_deltasync.server.worker.apply import apply_patches, replace_piece
 
         if not self.layers or any(p.dense is not None for p in pieces):
             return None
@@ -137,8 +137,7 @@ class PackedLayers:
                     copies[name] = None
                     continue
                 copy = live.detach().clone()
-                apply_patches(Piece(copy, p.indices, p.values, relative=p.relative,
-                                    base=p.base, span=p.span)
+                apply_patches(replace_piece(p, p.indices, p.values, param=copy)
                               for p in by_param.get(id(live), ()))
                 copies[name] = copy
             kernels.append((module, getattr(module, REPACK_ATTR)(copies["weight"],
