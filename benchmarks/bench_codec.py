@@ -2,8 +2,10 @@
 
 The deltas are real: a Llama-shaped model (``examples/toymodel.py``) trained with AdamW on
 fp32 master weights, published as bf16 (mixed precision, as RL trainers do); the delta of one
-step is every element whose bf16 bit pattern changed between two consecutive steps. Every
-codec encodes the same deltas. Sizes are given twice: payload only (the encoded roles), and
+step is every element whose bf16 bit pattern changed between two consecutive steps. Two tensor
+sets: a 37.8M-parameter toy (small tensors, where each tensor's fixed bytes weigh) and one
+Llama-2-7B decoder layer (236M parameters, tensors of a real model's size). Every codec
+encodes the same deltas. Sizes are given twice: payload only (the encoded roles), and
 all bytes of the step (the step published by ``DeltaPublisher`` to a temporary ``file://``
 bucket: data files with their safetensors headers, plus the manifest). Throughput is
 single-threaded CPU time (``time.thread_time``), i.e. per core, and is compared with a memcpy
@@ -32,6 +34,18 @@ from vllm_deltasync.format.manifest import load_document
 
 LRS = (1e-7, 1e-6, 3e-6, 1e-5)
 """1e-7: ~0.1% of elements change per step; 1e-6: ~1%; 3e-6: ~3%; 1e-5: ~12%."""
+TOY = dict(hidden_size=768, num_layers=4, num_heads=12, num_kv_heads=4, intermediate_size=2048,
+           vocab_size=8192)
+"""37.8M parameters in 30 tensors of up to 6.3M: small tensors, so fixed per-tensor bytes weigh."""
+LAYER_7B = dict(hidden_size=4096, num_layers=1, num_heads=32, num_kv_heads=32, intermediate_size=11008,
+                vocab_size=4096)
+"""236M parameters: one decoder layer of Llama-2-7B (q/k/v/o 4096 x 4096, gate/up/down 4096 x 11008),
+with a 4096-token vocabulary: tensors of the size real models have (a 7B model: 291 tensors,
+24M parameters each on average)."""
+QUICK = dict(hidden_size=256, num_layers=2, num_heads=8, num_kv_heads=4, intermediate_size=768,
+             vocab_size=2048)
+QUICK_LAYER = dict(hidden_size=1024, num_layers=1, num_heads=8, num_kv_heads=8, intermediate_size=2752,
+                   vocab_size=1024)
 CODECS = ("sparse-v1", "sparse-v2", "sparse-v2-zstd", "sparse-v3")
 WARMUP_STEPS = 3
 
@@ -57,11 +71,7 @@ class Delta:
         return sum(t.numel() for t in self.old.values())
 
 
-def _model(quick: bool) -> torch.nn.Module:
-    shape = dict(hidden_size=256, num_layers=2, num_heads=8, num_kv_heads=4,
-                 intermediate_size=768, vocab_size=2048) if quick else dict(
-                 hidden_size=768, num_layers=4, num_heads=12, num_kv_heads=4,
-                 intermediate_size=2048, vocab_size=8192)
+def _model(shape: dict[str, int]) -> torch.nn.Module:
     try:
         from examples.toymodel import build_model, load_hf_model
     except ImportError:
@@ -76,9 +86,20 @@ def _model(quick: bool) -> torch.nn.Module:
         return load_hf_model(path, dtype=torch.float32).train()
 
 
-def make_deltas(lrs: tuple[float, ...] = LRS, *, quick: bool = False, seed: int = 0) -> list[Delta]:
-    """One real AdamW step delta per learning rate, after ``WARMUP_STEPS`` steps."""
-    model = _model(quick)
+def make_deltas(lrs: tuple[float, ...] = LRS, *, quick: bool = False, seed: int = 0,
+                shape: dict[str, int] | None = None) -> list[Delta]:
+    """One real AdamW step delta per learning rate, after ``WARMUP_STEPS`` steps, of a Llama of
+    ``shape`` (default: ``TOY``, or ``QUICK`` when ``quick``). Trains with every core."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(os.cpu_count() or 1)
+    try:
+        return _train(lrs, quick, seed, shape or (QUICK if quick else TOY))
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _train(lrs: tuple[float, ...], quick: bool, seed: int, shape: dict[str, int]) -> list[Delta]:
+    model = _model(shape)
     start = {k: v.detach().clone() for k, v in model.state_dict().items()}
     vocab = int(model.config.vocab_size)  # type: ignore[union-attr,arg-type]
     batch, seq = (2, 64) if quick else (2, 128)
@@ -266,6 +287,14 @@ def run(quick: bool = False) -> str:
     thr = throughput_table(deltas[LRS.index(3e-6)])
     thr1 = throughput_table(deltas[LRS.index(1e-6)])
     dense = dense_fallback_table(deltas[0], max_params=1_000_000 if quick else 6_000_000)
+    del deltas
+    shape = QUICK_LAYER if quick else LAYER_7B
+    h, inter, vocab = shape["hidden_size"], shape["intermediate_size"], shape["vocab_size"]
+    layer = make_deltas((1e-7, 1e-6), shape=shape)
+    layer_sizes, _ = size_table(layer)
+    layer_thr = throughput_table(layer[1], repeat=3)
+    layer_params = layer[0].numel
+    del layer
     gpu = gpu_apply_section(quick)
     return (
         f"### Codec size (one AdamW step, fp32 master -> bf16, {model_params / 1e6:.1f}M-parameter "
@@ -275,10 +304,21 @@ def run(quick: bool = False) -> str:
         "`DeltaPublisher` to a temporary file:// bucket, format version 3: the manifest's tensor "
         "table deflated); step/full: all bytes of the step / the full bf16 checkpoint. Last "
         "column: the same step published with `format_version=2` (plain JSON tensor table, as "
-        "0.3.0 wrote it).\n\n"
-        f"{sizes}\n\n### Dense fallback (synthetic steps at high density)\n\n{dense}\n\n"
+        "0.3.0 wrote it). This model's tensors are small (30 tensors, up to 6.3M elements): "
+        "each tensor's fixed bytes (its manifest entry with a sha256, its safetensors header "
+        "entry, its entropy tables) weigh on sparse steps; the next table has tensors of a real "
+        "model's size.\n\n"
+        f"{sizes}\n\n"
+        f"### Codec size on tensors of a 7B model's size ({layer_params / 1e6:.0f}M parameters: "
+        f"{'a quarter-width copy of ' if quick else ''}one Llama-2-7B decoder layer, q/k/v/o "
+        f"{h} x {h}, gate/up/down {h} x {inter}, with embedding and head for a {vocab}-token "
+        f"vocabulary; same training, {WARMUP_STEPS} warm-up steps)\n\n"
+        f"{layer_sizes}\n\n"
+        f"### Dense fallback (synthetic steps at high density)\n\n{dense}\n\n"
         f"### Codec throughput (lr 3e-6 delta, one core, CPU time)\n\n{thr}\n\n"
-        f"### Codec throughput (lr 1e-6 delta, ~1% changed, one core, CPU time)\n\n{thr1}\n\n{gpu}\n\n"
+        f"### Codec throughput (lr 1e-6 delta, ~1% changed, one core, CPU time)\n\n{thr1}\n\n"
+        "### Codec throughput on tensors of a 7B model's size (lr 1e-6 delta, ~1% changed, "
+        f"one core, CPU time)\n\n{layer_thr}\n\n{gpu}\n\n"
         f"_codec benchmark: {time.perf_counter() - t0:.0f} s_\n"
     )
 
