@@ -10,6 +10,7 @@ effect; no thread may raise; at the end the live weights equal the trainer's las
 
 from __future__ import annotations
 
+import logging
 import random
 import threading
 import time
@@ -17,6 +18,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import pytest
 import torch
 
 from vllm_deltasync import DeltaPublisher
@@ -166,3 +168,21 @@ def test_a_closed_poller_stays_closed(tmp_path: Path) -> None:
     assert poller.ready_steps() == [] and poller.status()["last_error"] == "after close"
     assert {t.name for t in threading.enumerate()} <= threads
     assert not any(t.name == "deltasync-poller-rank0" for t in threading.enumerate())
+
+
+def test_a_rank_closed_at_shutdown_stops_its_poller_and_reports_nothing(
+    tp_world: TPWorld, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The worker's shutdown closes the poller before vLLM tears the process down: the loop
+    thread is gone and nothing is reported as a failure (it once logged "discover failed")."""
+    ckpt, live, _ = live_checkpoint(tp_world, tmp_path, "llama_gqa", seed=11)
+    rank = RankState(_worker(live, ckpt), SyncConfig(url=f"file://{tmp_path}/bucket", poll_interval_s=0.01))
+    rank.follow()
+    _wait(lambda: rank.poller.status()["last_discovery_at"] is not None)
+    with caplog.at_level(logging.DEBUG, logger="vllm_deltasync"):
+        rank.close()
+        rank.close()  # a second shutdown finds nothing to do
+    assert not rank.following
+    assert not any(t.name == "deltasync-poller-rank0" for t in threading.enumerate())
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
+    assert rank.poller.status()["last_error"] is None

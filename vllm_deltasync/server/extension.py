@@ -112,6 +112,13 @@ class DeltaSyncExtension:
             return state.record_step(lambda: inner(scheduler_output, *args, **kwargs), tokens)
 
         w.execute_model = execute_model
+        shutdown = w.shutdown
+
+        def shutdown_after_poller() -> None:
+            state.close()
+            shutdown()
+
+        w.shutdown = shutdown_after_poller
         _watch_weight_writes(w, state)
         classes = state.prove_values()
         out = self.deltasync_status()

@@ -202,6 +202,13 @@ class RankState:
         self.sync.drop_staged()
         self.sync.set_switch_error(reason)
 
+    def close(self) -> None:
+        """The worker shuts down: stop the poller first, so that it does not run on into what
+        vLLM tears down under it (and report that as a failure)."""
+        if self.following:
+            self.poller.close()
+            self.following = False
+
     def follow(self) -> None:
         """Start the poller (after every rank's proof passed)."""
         if self.refused is None and not self.following:
