@@ -158,14 +158,20 @@ def _mb(n: float) -> str:
     return f"{n / 2**20:.1f} MiB"
 
 
+def engine_env(tmp: str | Path) -> None:
+    """What a benchmark's CPU engines need in the environment (kept where already set): vLLM's
+    cache and RPC sockets in temporary directories, never the user's; a 1 GiB KV cache."""
+    os.environ.setdefault("VLLM_CACHE_ROOT", os.path.join(tmp, "cache"))
+    os.environ.setdefault("VLLM_RPC_BASE_PATH", tempfile.mkdtemp(prefix="vrpc"))
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+
 def run(quick: bool = False) -> str:
     """Markdown section: one row per model size, measured on one engine each."""
     names = ["llama-22M"] if quick else list(CASES)
     rows = []
     with tempfile.TemporaryDirectory(prefix="bench-apply-") as tmp:
-        os.environ.setdefault("VLLM_CACHE_ROOT", os.path.join(tmp, "cache"))
-        os.environ.setdefault("VLLM_RPC_BASE_PATH", tempfile.mkdtemp(prefix="vrpc"))
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        engine_env(tmp)
         for name in names:
             rows.append(_measure(name, CASES[name], Path(tmp)))
     lines = [

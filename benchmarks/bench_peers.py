@@ -39,7 +39,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.bench_apply import CASES, _perturb, _proc_status, _reset_peak, _wait_applied
+from benchmarks.bench_apply import (
+    CASES,
+    _perturb,
+    _proc_status,
+    _reset_peak,
+    _wait_applied,
+    engine_env,
+)
 from examples.toymodel import build_model
 from vllm_deltasync import DeltaPublisher
 
@@ -174,9 +181,7 @@ def run(quick: bool = False) -> str:
     name = "llama-22M" if quick else "llama-160M"
     densities = DENSITIES[:1] if quick else DENSITIES
     with tempfile.TemporaryDirectory(prefix="bench-peers-") as tmp:
-        os.environ.setdefault("VLLM_CACHE_ROOT", os.path.join(tmp, "cache"))
-        os.environ.setdefault("VLLM_RPC_BASE_PATH", tempfile.mkdtemp(prefix="vrpc"))
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        engine_env(tmp)
         rows = _measure(name, CASES[name], Path(tmp), densities)
     lines = [
         "## peers: our apply vs vLLM's sparse patch loader and reload (same engine, same delta)",

@@ -1,7 +1,7 @@
 """Serving benchmark: decode throughput of a following engine on the CPU build, per kernel mode.
 
-Three engines in turn, on the same model (an 87M-parameter Llama), the same prompts and the
-same bucket steps:
+Four engines, started first and alive together (one engine core process each), on the same
+model (an 87M-parameter Llama), the same prompts and the same bucket steps:
 
 * **stock**: plain vLLM, no extension (its packed CPU GEMM kernels);
 * **inplace** (``cpu_kernels="inplace"``): the extension, linear layers computing from their
@@ -14,15 +14,25 @@ same bucket steps:
   kernels.
 
 Before the engines start, an anchor and ``STEPS`` deltas (~1% of the elements flipped by 1-3
-bf16 ulps, as RL steps; REFERENCE §1) are published to a source bucket. While an engine
-decodes, a thread releases one step's manifest into the followed ``file://`` bucket every
-``INTERVAL_S`` seconds (the data files are copied beforehand), so the publisher's encoding
-does not compete for this machine's two cores during the timed runs; the stock engine gets
-the same releases and follows nothing. Each workload runs 3 times (median reported):
+bf16 ulps, as RL steps; REFERENCE §1) are published to a source bucket; each engine gets its own
+``file://`` bucket (the extension's engines follow theirs), holding the anchor only until
+that engine's following phase. Workloads:
 
-* one sequence, 256 greedy tokens; a batch of 16 sequences, 64 tokens each (``ignore_eos``);
+* one sequence, 256 greedy tokens; a batch of 16 sequences, 64 tokens each (``ignore_eos``).
 
-and the switches that landed meanwhile are read from the engine core (pause, repack time).
+Quiet phase (nothing new to follow): ``QUIET_ROUNDS`` rounds; in each, every workload runs once on
+every engine in turn, the starting engine rotating from round to round (each mode takes every place in the order,
+twice), so that the drift of this shared machine's speed falls on all modes alike
+(median over the rounds). An engine's turn starts with a short untimed generation, so that its
+first timed run does not pay for caches the other engines' turns took. Following phase:
+one engine at a time: a thread releases one step's manifest into that engine's bucket every
+``INTERVAL_S`` seconds (the data files are copied beforehand, so the publisher's encoding does
+not compete for this machine's two cores during the timed runs) while each workload runs
+``RUNS`` times; the stock engine gets the same releases and follows nothing. The switches that
+landed meanwhile are read from its engine core (pause, repack time); it then switches to the
+steps released last, before the next engine's turn. In both phases the engine measured runs
+alone: the others are stopped (SIGSTOP) until their turn (idle engines still tick, and every
+engine's worker is bound to the same core).
 
     .venv/bin/python benchmarks/bench_serving.py [--quick]
 """
@@ -33,25 +43,30 @@ import argparse
 import contextlib
 import os
 import shutil
+import signal
 import statistics
 import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from benchmarks.bench_apply import _perturb, _proc_status
+from benchmarks.bench_apply import _perturb, _proc_status, engine_env
 from examples.toymodel import build_model
 from vllm_deltasync import DeltaPublisher
 
-MODEL = {"hidden_size": 768, "num_layers": 6, "num_heads": 12, "num_kv_heads": 4,
-         "intermediate_size": 2048, "vocab_size": 32000}
+MODEL: dict[str, Any] = {"hidden_size": 768, "num_layers": 6, "num_heads": 12, "num_kv_heads": 4,
+                         "intermediate_size": 2048, "vocab_size": 32000}
 MODES = ("stock", "inplace", "packed", "packed, no prefix reset")
 STEPS = 16
 DENSITY = 0.01
 INTERVAL_S = 3.0
 RUNS = 3
+QUIET_ROUNDS = 8
+"""Quiet rounds: two per mode, each mode starting twice; single runs move by ~15% on this machine,
+the median of 8 interleaved runs of two engines of one mode agreed within ~4%."""
 WORKLOADS = {"1 x 256 tokens": (1, 256), "16 x 64 tokens": (16, 64)}
 
 
@@ -63,6 +78,7 @@ class _Releaser:
         shutil.copytree(source, target, ignore=shutil.ignore_patterns("manifests"))
         (target / "manifests").mkdir()
         self.pending = sorted((source / "manifests").iterdir())
+        self.last_step = -1  # the newest step released (manifests/<step>.json)
         self.release()  # the anchor
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -74,6 +90,7 @@ class _Releaser:
         tmp = self.target / "manifests" / f".tmp-{src.name}"
         shutil.copyfile(src, tmp)
         tmp.rename(self.target / "manifests" / src.name)
+        self.last_step = int(src.stem)
         return True
 
     def start(self) -> None:
@@ -106,60 +123,164 @@ def _worker_pid(worker: Any) -> int:
     return os.getpid()
 
 
-def _measure(mode: str, model_dir: Path, source: Path, tmp: Path, runs: int) -> dict[str, Any]:
+def _ppid(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("PPid:"):
+            return int(line.split()[1])
+    raise LookupError(f"no PPid for process {pid}")
+
+
+class _Engine:
+    """One mode's engine, alive from start to the end of the benchmark, and its bucket.
+
+    Stopped (SIGSTOP) whenever another engine is measured, so that the one measured runs
+    alone as on a server: an idle extension engine still ticks (a status read every poll
+    interval, 0.2 s here; its poller lists the bucket), a few % of a core (the extension keeps
+    those reads from making vLLM's worker spin: ``_quiet_status_reads``), and every engine's
+    worker is bound to the same core."""
+
+    def __init__(self, mode: str, llm: Any, releaser: _Releaser) -> None:
+        self.mode, self.llm, self.releaser = mode, llm, releaser
+        self.follows = mode != "stock"
+        self.rss = 0
+        self.pids: list[int] = []  # its engine core process, then its worker process
+        self.quiet: dict[str, list[float]] = {w: [] for w in WORKLOADS}
+        self.following: dict[str, list[float]] = {w: [] for w in WORKLOADS}
+        self.switches: list[dict[str, Any]] = []
+
+    def wait_applied(self, step: int, timeout_s: float) -> list[dict[str, Any]] | None:
+        """Until every rank applied ``step`` (an idle engine core switches on its own): None,
+        or the ranks' status when ``timeout_s`` ran out first."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            status = list(self.llm.collective_rpc("deltasync_status"))
+            if all(s["applied_step"] == step for s in status):
+                return None
+            if time.monotonic() >= deadline:
+                return status
+            time.sleep(0.1)
+
+    def freeze(self) -> None:
+        for pid in self.pids:
+            os.kill(pid, signal.SIGSTOP)
+
+    def thaw(self) -> None:
+        for pid in reversed(self.pids):
+            os.kill(pid, signal.SIGCONT)
+
+    @contextlib.contextmanager
+    def running(self) -> Iterator[_Engine]:
+        """The engine running, the others stopped."""
+        self.thaw()
+        try:
+            yield self
+        finally:
+            self.freeze()
+
+    def shutdown(self) -> None:
+        self.releaser.stop()
+        with contextlib.suppress(Exception):
+            self.thaw()
+        with contextlib.suppress(Exception):
+            self.llm.llm_engine.engine_core.shutdown()
+        self.llm = None
+
+
+def _start(mode: str, model_dir: Path, source: Path, tmp: Path) -> _Engine:
+    """The engine of ``mode``, following its own bucket (``bucket-{mode}``, the anchor only).
+    The extension reads its ``VLLM_DELTASYNC_*`` settings when the engine starts."""
+    from vllm import LLM
+
+    bucket = tmp / f"bucket-{mode}"
+    releaser = _Releaser(source, bucket, INTERVAL_S)
+    kw: dict[str, Any] = {}
+    if mode != "stock":
+        os.environ.update({
+            "VLLM_DELTASYNC_URL": f"file://{bucket}",
+            "VLLM_DELTASYNC_POLL_INTERVAL_S": "0.2",
+            "VLLM_DELTASYNC_METRICS_PORT": "0",
+            "VLLM_DELTASYNC_CPU_KERNELS": "inplace" if mode == "inplace" else "packed",
+            "VLLM_DELTASYNC_RESET_PREFIX_CACHE": str("no prefix reset" not in mode)})
+        kw["worker_extension_cls"] = "vllm_deltasync.DeltaSyncExtension"
+    try:
+        llm = LLM(model=str(model_dir), enforce_eager=True, max_model_len=512,
+                  dtype="bfloat16", seed=0, max_num_seqs=16, **kw)
+    except BaseException:
+        releaser.stop()
+        raise
+    return _Engine(mode, llm, releaser)
+
+
+def _generate(engine: _Engine, prompts: list[Any], workload: str) -> float:
+    """Seconds for one run of ``workload`` on ``engine``."""
+    from vllm import SamplingParams
+
+    batch, tokens = WORKLOADS[workload]
+    params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
+    t0 = time.perf_counter()
+    outs = engine.llm.generate(prompts[:batch], params, use_tqdm=False)
+    seconds = time.perf_counter() - t0
+    assert all(len(o.outputs[0].token_ids) == tokens for o in outs)
+    return seconds
+
+
+def _measure(model_dir: Path, source: Path, tmp: Path, runs: int, quiet_rounds: int) -> list[_Engine]:
+    """Every mode's engine started first and kept alive; the quiet phase round-robin over
+    them (the starting mode rotating each round), then the following phase one mode at a
+    time (only that mode's bucket receives steps); the engine measured runs alone, the others
+    stopped."""
     import cloudpickle
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
 
     cloudpickle.register_pickle_by_value(sys.modules[__name__])
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # _worker_pid (bench only)
-    bucket = tmp / f"bucket-{mode}"
-    releaser = _Releaser(source, bucket, INTERVAL_S)
-    os.environ.update({"VLLM_DELTASYNC_URL": f"file://{bucket}",
-                       "VLLM_DELTASYNC_POLL_INTERVAL_S": "0.2",
-                       "VLLM_DELTASYNC_METRICS_PORT": "0",
-                       "VLLM_DELTASYNC_CPU_KERNELS": "inplace" if mode == "inplace" else "packed",
-                       "VLLM_DELTASYNC_RESET_PREFIX_CACHE": str("no prefix reset" not in mode)})
-    kw: dict[str, Any] = ({} if mode == "stock"
-                          else {"worker_extension_cls": "vllm_deltasync.DeltaSyncExtension"})
-    llm = LLM(model=str(model_dir), enforce_eager=True, max_model_len=512, dtype="bfloat16",
-              seed=0, max_num_seqs=16, **kw)
+    prompts = [{"prompt_token_ids": [(7 * i + 13 * j) % 31000 + 100 for j in range(24)]}
+               for i in range(16)]
+    engines: list[_Engine] = []
     try:
-        if mode != "stock":
-            deadline = time.monotonic() + 120
-            while not all(s["applied_step"] == 0 for s in llm.collective_rpc("deltasync_status")):
-                assert time.monotonic() < deadline, llm.collective_rpc("deltasync_status")
-                time.sleep(0.1)
-        rss = _proc_status("VmRSS", llm.collective_rpc(_worker_pid)[0])
-        prompts = [{"prompt_token_ids": [(7 * i + 13 * j) % 31000 + 100 for j in range(24)]}
-                   for i in range(16)]
-        llm.generate(prompts[:2], SamplingParams(max_tokens=8), use_tqdm=False)  # warm up
+        for mode in MODES:
+            engine = _start(mode, model_dir, source, tmp)
+            engines.append(engine)
+            if engine.follows:
+                late = engine.wait_applied(0, timeout_s=120)
+                assert late is None, late
+            worker = engine.llm.collective_rpc(_worker_pid)[0]
+            engine.rss = _proc_status("VmRSS", worker)
+            engine.llm.generate(prompts[:2], SamplingParams(max_tokens=8), use_tqdm=False)
+            core = _ppid(worker)
+            assert _ppid(core) == os.getpid(), (worker, core)
+            engine.pids = [core, worker]
+            engine.freeze()
 
-        def timed(engine: Any) -> dict[str, list[float]]:
-            seconds: dict[str, list[float]] = {w: [] for w in WORKLOADS}
-            for _ in range(runs):
-                for name, (batch, tokens) in WORKLOADS.items():
-                    params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
-                    t0 = time.perf_counter()
-                    outs = engine.generate(prompts[:batch], params, use_tqdm=False)
-                    seconds[name].append(time.perf_counter() - t0)
-                    assert all(len(o.outputs[0].token_ids) == tokens for o in outs)
-            return seconds
+        for round_ in range(quiet_rounds):  # quiet: following, no new step
+            order = engines[round_ % len(engines):] + engines[:round_ % len(engines)]
+            for workload in WORKLOADS:
+                for engine in order:
+                    with engine.running():
+                        engine.llm.generate(prompts[:1], SamplingParams(max_tokens=4), use_tqdm=False)
+                        engine.quiet[workload].append(_generate(engine, prompts, workload))
 
-        quiet = timed(llm)  # following, no new step
-        releaser.start()
-        following = timed(llm)
-        releaser.stop()
-        switches: list[dict[str, Any]] = []
-        if mode != "stock":
-            status = llm.llm_engine.engine_core.call_utility("deltasync_engine_status")
-            switches = [s for s in status["switches"] if s["step"] > 0]
+        for engine in engines:  # following: only this engine's bucket receives steps
+            with engine.running():
+                engine.releaser.start()
+                for _ in range(runs):
+                    for workload in WORKLOADS:
+                        engine.following[workload].append(_generate(engine, prompts, workload))
+                engine.releaser.stop()
+                if not engine.follows:
+                    continue
+                status = engine.llm.llm_engine.engine_core.call_utility(
+                    "deltasync_engine_status")
+                engine.switches = [s for s in status["switches"] if s["step"] > 0]
+                # the steps released last are staged and switched to now, in its own turn
+                late = engine.wait_applied(engine.releaser.last_step, timeout_s=120)
+                if late is not None:
+                    print(f"bench_serving: {engine.mode} did not reach step "
+                          f"{engine.releaser.last_step}: {late}", file=sys.stderr)
     finally:
-        releaser.stop()
-        with contextlib.suppress(Exception):
-            llm.llm_engine.engine_core.shutdown()
-        del llm
-    return {"mode": mode, "quiet": quiet, "following": following, "rss": rss,
-            "switches": switches}
+        for engine in engines:
+            engine.shutdown()
+    return engines
 
 
 def _ms(values: list[float]) -> str:
@@ -171,16 +292,14 @@ def run(quick: bool = False) -> str:
     runs = 1 if quick else RUNS
     with tempfile.TemporaryDirectory(prefix="bench-serving-") as tmp_name:
         tmp = Path(tmp_name)
-        os.environ.setdefault("VLLM_CACHE_ROOT", str(tmp / "cache"))
-        os.environ.setdefault("VLLM_RPC_BASE_PATH", tempfile.mkdtemp(prefix="vrpc"))
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        engine_env(tmp)
         model_dir = build_model(tmp / "model", "llama", **MODEL)
         from safetensors.torch import load_file
 
         params = sum(t.numel() for t in load_file(str(model_dir / "model.safetensors")).values())
         source = tmp / "source"
         _publish(model_dir, source, STEPS)
-        rows = [_measure(mode, model_dir, source, tmp, runs) for mode in MODES]
+        rows = _measure(model_dir, source, tmp, runs, 1 if quick else QUIET_ROUNDS)
     stock = rows[0]
     phases = ("quiet", "following")
     lines = [
@@ -188,7 +307,13 @@ def run(quick: bool = False) -> str:
         "",
         f"Llama {params / 1e6:.0f}M. Quiet: the bucket publishes nothing new. Following: a ~"
         f"{DENSITY:.0%} delta is released every {INTERVAL_S:.0f} s while decoding. Median of "
-        f"{runs} runs per workload and phase; tokens/s and the ratio to stock.",
+        f"{1 if quick else QUIET_ROUNDS} (quiet) / {runs} (following) runs per workload; "
+        "tokens/s and the ratio to stock. The four "
+        "engines are alive together: the quiet phase interleaves them (round-robin: each "
+        "workload runs once on every engine in turn, the starting engine rotating each round, "
+        "a short untimed generation first), "
+        "the following phase runs one mode at a time; the engine measured runs alone, the "
+        "others stopped (SIGSTOP).",
         "",
         "| mode | " + " | ".join(f"{w}, {ph}" for w in WORKLOADS for ph in phases)
         + " | switches while following | pause (median) | of which repack | worker RSS |",
@@ -198,17 +323,17 @@ def run(quick: bool = False) -> str:
         cells = []
         for name, (batch, tokens) in WORKLOADS.items():
             for ph in phases:
-                rate = batch * tokens / statistics.median(r[ph][name])
-                base = batch * tokens / statistics.median(stock[ph][name])
+                rate = batch * tokens / statistics.median(getattr(r, ph)[name])
+                base = batch * tokens / statistics.median(getattr(stock, ph)[name])
                 cells.append(f"{rate:.0f} ({rate / base:.2f})")
-        sw = r["switches"]
+        sw = r.switches
         repack = [max(s.get("repack_s") or [0.0]) for s in sw]
         lines.append(
-            f"| {r['mode']} | " + " | ".join(cells)
-            + f" | {len(sw) if r['mode'] != 'stock' else '- (follows nothing)'}"
+            f"| {r.mode} | " + " | ".join(cells)
+            + f" | {len(sw) if r.follows else '- (follows nothing)'}"
             f" | {_ms([s['pause_s'] for s in sw])}"
-            f" | {_ms(repack) if r['mode'].startswith('packed') else '-'}"
-            f" | {r['rss'] / 2**20:.0f} MiB |"
+            f" | {_ms(repack) if r.mode.startswith('packed') else '-'}"
+            f" | {r.rss / 2**20:.0f} MiB |"
         )
     lines += [
         "",
@@ -221,7 +346,9 @@ def run(quick: bool = False) -> str:
         "Repack: what the switch itself spent installing the new kernels (packed ahead on the "
         "poller thread when the engine held the delta's base). Worker RSS after start: the "
         "packed mode keeps each linear weight next to its packed copy. This machine's two cores "
-        "are shared: the same row moves by up to ~15% between runs.",
+        "are shared and its speed drifts by up to ~15% over minutes: the interleaved quiet "
+        "phase exposes every mode to the same drift, while the following phase, one mode "
+        "after another, can move by that much between runs.",
     ]
     return "\n".join(lines) + "\n"
 
