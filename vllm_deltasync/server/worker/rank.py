@@ -196,15 +196,14 @@ class RankState:
     def refuse(self, reason: str) -> None:
         """Never follow: stop the poller, drop what is staged, report ``reason``."""
         self.refused = reason
-        if self.following:
-            self.poller.close()
-            self.following = False
+        self.close()
         self.sync.drop_staged()
         self.sync.set_switch_error(reason)
 
     def close(self) -> None:
-        """The worker shuts down: stop the poller first, so that it does not run on into what
-        vLLM tears down under it (and report that as a failure)."""
+        """Stop the poller for good: on a refusal, and first thing when the worker shuts down, so
+        that it does not run on into what vLLM tears down under it (and report that as a
+        failure)."""
         if self.following:
             self.poller.close()
             self.following = False
