@@ -53,7 +53,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from benchmarks.bench_apply import _perturb, _proc_status, engine_env
+from benchmarks.bench_apply import _perturb, _proc_status, _wait_applied, engine_env
 from examples.toymodel import build_model
 from vllm_deltasync import DeltaPublisher
 
@@ -148,18 +148,6 @@ class _Engine:
         self.following: dict[str, list[float]] = {w: [] for w in WORKLOADS}
         self.switches: list[dict[str, Any]] = []
 
-    def wait_applied(self, step: int, timeout_s: float) -> list[dict[str, Any]] | None:
-        """Until every rank applied ``step`` (an idle engine core switches on its own): None,
-        or the ranks' status when ``timeout_s`` ran out first."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            status = list(self.llm.collective_rpc("deltasync_status"))
-            if all(s["applied_step"] == step for s in status):
-                return None
-            if time.monotonic() >= deadline:
-                return status
-            time.sleep(0.1)
-
     def freeze(self) -> None:
         for pid in self.pids:
             os.kill(pid, signal.SIGSTOP)
@@ -242,8 +230,7 @@ def _measure(model_dir: Path, source: Path, tmp: Path, runs: int, quiet_rounds: 
             engine = _start(mode, model_dir, source, tmp)
             engines.append(engine)
             if engine.follows:
-                late = engine.wait_applied(0, timeout_s=120)
-                assert late is None, late
+                _wait_applied(engine.llm, 0)
             worker = engine.llm.collective_rpc(_worker_pid)[0]
             engine.rss = _proc_status("VmRSS", worker)
             engine.llm.generate(prompts[:2], SamplingParams(max_tokens=8), use_tqdm=False)
@@ -273,10 +260,10 @@ def _measure(model_dir: Path, source: Path, tmp: Path, runs: int, quiet_rounds: 
                     "deltasync_engine_status")
                 engine.switches = [s for s in status["switches"] if s["step"] > 0]
                 # the steps released last are staged and switched to now, in its own turn
-                late = engine.wait_applied(engine.releaser.last_step, timeout_s=120)
-                if late is not None:
-                    print(f"bench_serving: {engine.mode} did not reach step "
-                          f"{engine.releaser.last_step}: {late}", file=sys.stderr)
+                try:
+                    _wait_applied(engine.llm, engine.releaser.last_step)
+                except TimeoutError as exc:
+                    print(f"bench_serving: {engine.mode}: {exc}", file=sys.stderr)
     finally:
         for engine in engines:
             engine.shutdown()
