@@ -1,9 +1,15 @@
-"""``sparse-v3``: bit-exact at every density, never larger than dense, strict on hostile chunks."""
+"""``sparse-v3``: bit-exact at every density, never larger than dense, strict on hostile chunks.
+
+Every test runs twice: with the numba decoder (installed with vLLM) and with the numpy one
+(used where numba is missing or cannot compile); the two must agree bit for bit, also on
+corrupt chunks.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import json
+import random
 from typing import Any
 
 import pytest
@@ -11,6 +17,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 
 from vllm_deltasync.errors import FormatError
+from vllm_deltasync.format import sparse_v3
 from vllm_deltasync.format.codec import TensorPatch
 from vllm_deltasync.format.codecs import CODECS, decode_chunk, get_codec
 from vllm_deltasync.format.manifest import Chunk, Manifest, Region, TensorEntry
@@ -20,6 +27,16 @@ from .conftest import SPECIAL_BITS, bits_to_bf16, publish_and_read_back
 from .test_roundtrip import deltas
 
 V3 = get_codec("sparse-v3")
+
+
+@pytest.fixture(autouse=True, params=["numba", "numpy"])
+def decoder(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Which decoder the test runs: the numba kernel or the numpy passes."""
+    if request.param == "numpy":
+        monkeypatch.setattr(sparse_v3, "_KERNEL", [None])
+    elif sparse_v3._kernel() is None:
+        pytest.skip("numba is not installed (or failed to compile): only the numpy decoder runs")
+    return str(request.param)
 
 
 def _nbytes(roles: dict[str, torch.Tensor]) -> int:
@@ -58,7 +75,8 @@ def _step(n: int, density: float, kind: str, seed: int = 0) -> tuple[torch.Tenso
     return bits_to_bf16(old_bits), bits_to_bf16(new_bits)
 
 
-@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=80, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(pair=deltas())
 def test_roundtrip_is_bit_exact(pair: tuple[torch.Tensor, torch.Tensor]) -> None:
     _roundtrip(*pair)
@@ -325,8 +343,6 @@ def test_custom_level_reads_back() -> None:
 @pytest.mark.parametrize("compression", ["none", "zstd"])
 def test_random_corruption_is_a_format_error_or_a_well_formed_result(compression: str) -> None:
     """Flipped bytes and random meta values: a FormatError, or ``count`` well-typed elements."""
-    import random
-
     rng = random.Random(compression)
     old, new = _step(3000 if compression == "none" else 200_000, 0.02, "mixed", seed=9)
     idx = torch.nonzero(old.view(torch.int16) != new.view(torch.int16)).flatten()
@@ -365,3 +381,4 @@ def test_publisher_default_codec_follows_the_format_version(tmp_path) -> None:  
         assert pub.codec == "sparse-v2"
     with pytest.raises(ConfigError, match="format_version=1"):
         DeltaPublisher(f"file://{tmp_path}/c", format_version=1, codec="sparse-v3")
+

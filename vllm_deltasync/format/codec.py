@@ -86,6 +86,10 @@ class Codec(abc.ABC):
         ``old_values``: the base's bf16 values at the same indices, or None (anchors).
         """
 
+    def prepare(self) -> None:  # noqa: B027 - an optional hook: most codecs need nothing
+        """Get ready to decode (compile what ``decode`` runs), so that the first step a server
+        applies does not pay for it. Never raises; the default does nothing."""
+
     @abc.abstractmethod
     def decode(
         self, tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any], count: int

@@ -38,6 +38,12 @@ def codec_names() -> list[str]:
     return sorted(CODECS)
 
 
+def prepare_decoders() -> None:
+    """Ready every codec's decoder (a server calls this before it starts following)."""
+    for codec in CODECS.values():
+        codec.prepare()
+
+
 def decode_chunk(
     entry: TensorEntry, chunk: Chunk, file_tensors: Mapping[str, torch.Tensor], *, source: str
 ) -> TensorPatch:
@@ -79,4 +85,4 @@ def _in_region(entry: TensorEntry, chunk: Chunk, region: Region, indices: torch.
     return TensorPatch(entry.name, entry.shape, flat, values, 0, relative)
 
 
-__all__ = ["CODECS", "codec_names", "decode_chunk", "get_codec"]
+__all__ = ["CODECS", "codec_names", "decode_chunk", "get_codec", "prepare_decoders"]

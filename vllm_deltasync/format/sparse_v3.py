@@ -34,6 +34,7 @@ bf16 bits, ``high_bits`` is 8, no ``span`` layout.
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Mapping
 from typing import Any
@@ -51,6 +52,8 @@ MAX_SPAN_PER_ELEMENT = 16
 """The ``span`` layout is used (and accepted) only for ``span <= 16 * count + 16``."""
 _SMALL = 256
 """Chunks of fewer elements choose field widths by raw size (zstd would not pay off)."""
+
+logger = logging.getLogger(__name__)
 
 
 def _zigzag_code(d: np.ndarray) -> np.ndarray:
@@ -253,6 +256,10 @@ class SparseV3Codec(Codec):
         _, meta, data = best
         return {"data": torch.frombuffer(bytearray(data), dtype=torch.uint8)}, meta
 
+    def prepare(self) -> None:
+        """Compile the numba decoder (~1 s, ~0.3 s from numba's disk cache)."""
+        _kernel()
+
     def decode(
         self, tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any], count: int
     ) -> tuple[torch.Tensor | None, torch.Tensor, bool]:
@@ -332,8 +339,14 @@ def _body(tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any], size: in
     if meta["compression"] == "none":
         if arr.size != size:
             raise FormatError(f"sparse-v3: role 'data' has {arr.size} bytes, the meta implies {size}")
-        return arr
+        return _readonly(arr)  # as a decompressed body is: one compiled kernel serves both
     return np.frombuffer(_decompress(arr, size), dtype=np.uint8)
+
+
+def _readonly(arr: np.ndarray) -> np.ndarray:
+    view = arr.view()
+    view.flags.writeable = False
+    return view
 
 
 def _value_fields(fields: np.ndarray, hb: int) -> np.ndarray:
@@ -384,31 +397,133 @@ def _decode(tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any], count:
     values16 = take(2 * n).view("<i2") if hb == 8 else None
     value_over = take(2 * ve).view("<i2")
     low, fields = take(n), take(n)
+    kernel = _kernel()
+    if kernel is not None:
+        indices = np.empty(n, np.int64)
+        values = values16.copy() if values16 is not None else np.empty(n, np.int16)
+        seen_h, seen_v = kernel(low, fields, high_over, value_over, hb, first, indices, values,
+                                values16 is None)
+        _check_escapes(seen_h, he, seen_v, ve)
+        out = torch.from_numpy(indices)
+    else:
+        out, values = _decode_numpy(low, fields, high_over, value_over, values16, hb, first)
+    if raw:
+        return out, torch.from_numpy(values).view(torch.bfloat16), False
+    return out, torch.from_numpy(values), True
+
+
+def _check_escapes(seen_h: int, he: int, seen_v: int, ve: int) -> None:
+    if seen_h != he:  # sparse-v2's rule: escapes are counted where an overflow exists
+        raise FormatError(f"sparse-v3: {seen_h} escaped high fields, meta says {he}")
+    if seen_v != ve:
+        raise FormatError(f"sparse-v3: {seen_v} escaped values, meta says {ve}")
+
+
+def _decode_numpy(low: np.ndarray, fields: np.ndarray, high_over: np.ndarray,
+                  value_over: np.ndarray, values16: np.ndarray | None, hb: int, first: int
+                  ) -> tuple[torch.Tensor, np.ndarray]:
+    """The ``gaps`` layout's fields to (indices, values) in numpy and torch passes (without numba)."""
     mask = (1 << hb) - 1
     g16 = np.bitwise_and(fields, np.uint8(mask)).astype(np.uint16)  # gap = low | field << 8,
     g16 <<= 8                                                          # built in uint16, then
     g16 |= low                                                         # widened once
     gaps = g16.astype(np.int64)
-    if he:  # sparse-v2's rule: escapes are counted where an overflow exists
-        where_h = np.flatnonzero(np.bitwise_and(fields, np.uint8(mask)) == mask)
-        if where_h.size != he:
-            raise FormatError(f"sparse-v3: {where_h.size} escaped high fields, meta says {he}")
+    where_h = np.flatnonzero(np.bitwise_and(fields, np.uint8(mask)) == mask) if high_over.size else ()
+    where_v = (np.flatnonzero(fields >= np.uint8(((1 << (8 - hb)) - 1) << hb))
+               if values16 is None and value_over.size else ())
+    _check_escapes(len(where_h), high_over.size, len(where_v), value_over.size)
+    if high_over.size:
         gaps[where_h] += high_over.astype(np.int64) << 8
     if values16 is not None:
         values = values16.copy()
     else:
         values = _value_fields(fields, hb)
-        if ve:  # escape value fields are the top ones: c field = 2**(8 - hb) - 1
-            where_v = np.flatnonzero(fields >= np.uint8(((1 << (8 - hb)) - 1) << hb))
-            if where_v.size != ve:
-                raise FormatError(f"sparse-v3: {where_v.size} escaped values, meta says {ve}")
+        if value_over.size:  # escape value fields are the top ones: c field = 2**(8 - hb) - 1
             values[where_v] = value_over
     gaps[0] = first  # gap[0] is 0 by construction
     indices = torch.from_numpy(gaps)
     torch.cumsum(indices, 0, out=indices)  # ~4x faster than numpy's cumsum here
-    if raw:
-        return indices, torch.from_numpy(values).view(torch.bfloat16), False
-    return indices, torch.from_numpy(values), True
+    return indices, values
+
+
+def _fused(low, fields, high_over, value_over, hb, first, indices, values, coded):  # type: ignore[no-untyped-def]
+    """The ``gaps`` layout's fields to ``indices`` (and, if ``coded``, the value codes to
+    ``values``) in one pass; returns the escaped high and value fields seen. Compiled by numba
+    (``_kernel``): ~1.1 ns per element against ~3 for the numpy passes of ``_decode_numpy``.
+    Overflow reads stop at the sections' ends; the caller compares the counts with the meta.
+    As in sparse-v2 (and ``_decode_numpy``), escapes are looked for only where their overflow
+    section is non-empty."""
+    n = low.size
+    mask = np.uint8((1 << hb) - 1)
+    nh, nv = high_over.size, value_over.size
+    seen_h = 0
+    if nh and n and (fields[0] & mask) == mask:  # gap[0] is 0 by construction: counted only
+        seen_h = 1
+    acc = np.int64(first)
+    if n:
+        indices[0] = acc
+    for k in range(1, n):
+        h = fields[k] & mask
+        g = np.int64(low[k]) | (np.int64(h) << 8)
+        if nh and h == mask:
+            if seen_h < nh:
+                g += np.int64(high_over[seen_h]) << 8
+            seen_h += 1
+        acc += g
+        indices[k] = acc
+    seen_v = 0
+    if coded:
+        for k in range(n):  # d = unzigzag(c + 1), branch-free; escapes patched below
+            zz = np.int16((fields[k] >> hb) + 1)
+            values[k] = (zz >> 1) ^ -(zz & 1)
+    if coded and nv:
+        top = np.uint8((1 << (8 - hb)) - 1)
+        for k in range(n):
+            if (fields[k] >> hb) == top:
+                if seen_v < nv:
+                    values[k] = value_over[seen_v]
+                seen_v += 1
+    return seen_h, seen_v
+
+
+_KERNEL: list[Any] = []
+_KERNEL_LOCK = threading.Lock()
+
+
+def _kernel() -> Any:
+    """``_fused`` compiled by numba (installed with vLLM), or None where numba is missing or
+    cannot compile: the numpy passes then decode the same chunks, ~2x slower.
+
+    Compiled once per process at the first decode (~0.6 s, then cached on disk where numba
+    finds a writable cache directory)."""
+    if not _KERNEL:
+        with _KERNEL_LOCK:
+            if not _KERNEL:
+                _KERNEL.append(_compile())
+    return _KERNEL[0]
+
+
+def _compile() -> Any:
+    try:
+        import numba
+    except ImportError:
+        return None
+    try:
+        try:
+            jitted = numba.njit(nogil=True, cache=True)(_fused)
+        except RuntimeError:  # no writable cache location: compile in memory
+            jitted = numba.njit(nogil=True)(_fused)
+        idx, val = np.empty(2, np.int64), np.empty(2, np.int16)  # compile, self-check
+        seen = jitted(_readonly(np.zeros(2, np.uint8)), _readonly(np.array([0, 0xFC], np.uint8)),
+                      _readonly(np.zeros(0, "<u4")), _readonly(np.array([7], "<i2")), 2, 5, idx,
+                      val, True)
+        if tuple(seen) != (0, 1) or idx.tolist() != [5, 5] or val.tolist() != [-1, 7]:
+            raise RuntimeError(f"self-check decoded {seen} {idx.tolist()} {val.tolist()}")
+    except Exception as exc:  # noqa: BLE001 - any numba failure leaves the numpy decoder
+        logger.warning("sparse-v3: numba could not compile the decoder (%s: %s); decoding "
+                       "with numpy (~2x slower)", type(exc).__name__, str(exc)[:200])
+        return None
+    return jitted
 
 
 __all__ = ["ZSTD_LEVEL", "SparseV3Codec"]

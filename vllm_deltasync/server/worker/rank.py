@@ -22,6 +22,7 @@ import torch
 from vllm_deltasync.config import SyncConfig
 from vllm_deltasync.errors import ApplyError, ChainError
 from vllm_deltasync.format.codec import TensorPatch
+from vllm_deltasync.format.codecs import prepare_decoders
 from vllm_deltasync.format.manifest import Manifest
 from vllm_deltasync.server.worker.apply import sha256_hex
 from vllm_deltasync.server.worker.layouts import LayoutCache, LayoutSpec
@@ -212,6 +213,7 @@ class RankState:
         """Start the poller (after every rank's proof passed)."""
         if self.refused is None and not self.following:
             self.param_versions = _param_versions(self.model)  # the proof wrote and restored
+            prepare_decoders()  # before serving: a JIT compile would take the GIL mid-batch
             self.poller.start()
             self.following = True
 
