@@ -18,16 +18,18 @@ density against the dense bf16 size.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import os
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
 
+from vllm_deltasync.format import sparse_v3
 from vllm_deltasync.format.codec import Codec
 from vllm_deltasync.format.codecs import get_codec, prepare_decoders
 from vllm_deltasync.format.manifest import load_document
@@ -226,7 +228,7 @@ def dense_fallback_table(delta: Delta, densities: tuple[float, ...] = (0.1, 0.5,
             "element of those tensors (payload bytes).\n\n" + "\n".join(rows))
 
 
-def throughput_table(delta: Delta, repeat: int = 7) -> str:
+def throughput_table(delta: Delta, repeat: int = 21) -> str:
     """Encode/decode GB/s of encoded bytes per core, and the same bytes through memcpy."""
     changed = delta.changed()
     n = sum(i.numel() for i in changed.values())
@@ -236,35 +238,62 @@ def throughput_table(delta: Delta, repeat: int = 7) -> str:
     big = max(range(len(changed)), key=lambda k: list(changed.values())[k].numel())
     big_n = list(changed.values())[big].numel()
     encoded = {name: encode_all(get_codec(name), delta, changed) for name in CODECS}
+    # sparse-v3 twice where numba is present: its numba kernel and its numpy fallback
+    rows_of = [(name, name, None) for name in CODECS]
+    if sparse_v3._kernel() is not None:
+        rows_of[-1:] = [("sparse-v3", "sparse-v3", sparse_v3._kernel()),
+                        ("sparse-v3, numpy decoder", "sparse-v3", "numpy")]
     # decode timings interleaved (every codec once per round, best round kept), so that a busy
     # moment of a shared machine does not land on one codec only
-    times = {name: [float("inf")] * len(changed) for name in CODECS}
+    times = {label: [float("inf")] * len(changed) for label, _, _ in rows_of}
     for _ in range(repeat):
-        for name in CODECS:
+        for label, name, kernel in rows_of:
             codec = get_codec(name)
-            for k, (r, m, c) in enumerate(encoded[name][0]):
-                t = time.thread_time()
-                codec.decode(r, m, c)
-                times[name][k] = min(times[name][k], time.thread_time() - t)
-    for name in CODECS:
+            with _v3_decoder(kernel):
+                for k, (r, m, c) in enumerate(encoded[name][0]):
+                    t = time.thread_time()
+                    codec.decode(r, m, c)
+                    times[label][k] = min(times[label][k], time.thread_time() - t)
+    for label, name, kernel in rows_of:
         codec = get_codec(name)
         chunks, enc_s = encoded[name]
         nbytes = _nbytes(chunks)
-        dec_s = sum(times[name])
+        dec_s = sum(times[label])
         src = torch.empty(nbytes, dtype=torch.uint8).random_(0, 255)
         dst = torch.empty_like(src)
         cpy_s = _best_cpu_s(functools.partial(dst.copy_, src), repeat * 3)
-        walls = [_parallel_decode_s(codec, chunks, threads, repeat) for threads in (1, 2)]
-        rows.append(f"| {name} | {nbytes / n:.3f} | {nbytes / enc_s / 1e9:.3f} | {enc_s / n * 1e9:.1f} | "
+        with _v3_decoder(kernel):
+            walls = [_parallel_decode_s(codec, chunks, threads, repeat) for threads in (1, 2)]
+        rows.append(f"| {label} | {nbytes / n:.3f} | {nbytes / enc_s / 1e9:.3f} | {enc_s / n * 1e9:.1f} | "
                     f"{nbytes / dec_s / 1e9:.3f} | {nbytes / cpy_s / 1e9:.2f} | {dec_s / n * 1e9:.2f} | "
-                    f"{n / dec_s / 1e6:.0f} | {cpy_s / dec_s:.3f} | {times[name][big] / big_n * 1e9:.2f} | "
+                    f"{n / dec_s / 1e6:.0f} | {cpy_s / dec_s:.3f} | {times[label][big] / big_n * 1e9:.2f} | "
                     f"{walls[0]:.3f} / {walls[1]:.3f} |")
     biggest = list(changed)[big]
     rows.append(f"\nLargest tensor: `{biggest}`, {big_n:,} changed elements. The first "
                 "columns sum every tensor's decode, so they include the per-call overhead of small tensors. "
                 "Last column: wall time to decode every tensor once, tensors spread over a thread pool "
-                "(decoders release the GIL in numpy, torch, zstd and numba), best of the repeats.")
+                "(decoders release the GIL in numpy, torch, zstd and numba), best of the repeats. "
+                f"Decode columns: best of {repeat} rounds, every codec once per round. "
+                + ("sparse-v3 decodes with its numba kernel (numba comes with vLLM); the numpy "
+                   "decoder row is its fallback where numba is missing."
+                   if sparse_v3._kernel() is not None else
+                   "sparse-v3 decoded with its numpy fallback: numba is not installed here."))
     return "\n".join(rows)
+
+
+@contextlib.contextmanager
+def _v3_decoder(kernel: object) -> Iterator[None]:
+    """sparse-v3 decodes with numba's kernel (``kernel``), the numpy passes ("numpy"), or as
+    configured (None)."""
+    if kernel is None:
+        yield
+        return
+    saved = list(sparse_v3._KERNEL)
+    sparse_v3._KERNEL[:] = [None if kernel == "numpy" else kernel]
+    try:
+        yield
+    finally:
+        sparse_v3._KERNEL[:] = saved
 
 
 def _parallel_decode_s(codec: Codec, encoded: list, threads: int, repeat: int) -> float:
@@ -293,7 +322,7 @@ def run(quick: bool = False) -> str:
     h, inter, vocab = shape["hidden_size"], shape["intermediate_size"], shape["vocab_size"]
     layer = make_deltas((1e-7, 1e-6), shape=shape)
     layer_sizes, _ = size_table(layer)
-    layer_thr = throughput_table(layer[1], repeat=3)
+    layer_thr = throughput_table(layer[1], repeat=11)
     layer_params = layer[0].numel
     del layer
     gpu = gpu_apply_section(quick)
