@@ -326,6 +326,7 @@ SAMPLES: dict[str, tuple[str, Any]] = {
     "node_cache": ("off", "off"),
     "node_cache_dir": ("/tmp/deltasync-cache", "/tmp/deltasync-cache"),
     "cpu_kernels": ("inplace", "inplace"),
+    "decoder": ("numpy", "numpy"),
     "store_options": ('{"addressing_style": "path"}', {"addressing_style": "path"}),
 }
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import logging
 import random
+import subprocess
+import sys
 from typing import Any
 
 import pytest
@@ -95,3 +97,24 @@ def test_a_numba_that_fails_to_compile_leaves_the_numpy_decoder(
         "decoding with numpy (~2x slower)"]
     old, new = _step(50_000, 0.01, "mixed")
     _roundtrip(old, new)
+
+
+def test_prepare_without_jit_never_loads_numba() -> None:
+    """``SyncConfig.decoder="numpy"`` (``prepare_decoders(jit=False)``): chunks decode and numba
+    is never imported (a fresh interpreter, as a worker process)."""
+    code = (
+        "import sys, torch\n"
+        "from vllm_deltasync.format.codecs import get_codec, prepare_decoders\n"
+        "prepare_decoders(jit=False)\n"
+        "v3 = get_codec('sparse-v3')\n"
+        "idx = torch.arange(0, 300_000, 7)\n"
+        "old = torch.zeros(idx.numel(), dtype=torch.bfloat16)\n"
+        "new = old + 1\n"
+        "roles, meta = v3.encode(idx, new, old)\n"
+        "i, d, rel = v3.decode(roles, meta, idx.numel())\n"
+        "assert meta['compression'] == 'zstd' and torch.equal(i, idx) and rel\n"
+        "print('numba' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "False"

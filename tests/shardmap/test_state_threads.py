@@ -10,6 +10,7 @@ effect; no thread may raise; at the end the live weights equal the trainer's las
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import random
 import threading
@@ -186,3 +187,31 @@ def test_a_rank_closed_at_shutdown_stops_its_poller_and_reports_nothing(
     assert not any(t.name == "deltasync-poller-rank0" for t in threading.enumerate())
     assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
     assert rank.poller.status()["last_error"] is None
+
+
+@pytest.mark.parametrize("decoder", ["auto", "numpy"])
+def test_following_readies_the_configured_decoder(
+    decoder: str, tp_world: TPWorld, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``decoder`` reaches the codecs before the poller starts: ``auto`` compiles sparse-v3's
+    numba kernel (where numba is installed), ``numpy`` leaves it out; a step then stages."""
+    from vllm_deltasync.format import sparse_v3
+
+    monkeypatch.setattr(sparse_v3, "_KERNEL", [])  # undecided, as in a fresh worker
+    ckpt, live, weights = live_checkpoint(tp_world, tmp_path, "llama_gqa", seed=12)
+    url = f"file://{tmp_path}/bucket"
+    state = {k: v.clone() for k, v in weights.items()}
+    pub = DeltaPublisher(url, anchor_every=100)
+    pub.publish(0, state)
+    _train(state, torch.Generator().manual_seed(1))
+    pub.publish(1, state)
+    pub.close()
+    rank = RankState(_worker(live, ckpt), SyncConfig(url=url, poll_interval_s=0.01, decoder=decoder))
+    rank.follow()
+    try:
+        assert len(sparse_v3._KERNEL) == 1
+        numba_here = importlib.util.find_spec("numba") is not None
+        assert (sparse_v3._KERNEL[0] is not None) == (decoder == "auto" and numba_here)
+        _wait(lambda: 1 in rank.sync.ready_steps())
+    finally:
+        rank.close()

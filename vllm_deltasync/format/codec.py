@@ -86,9 +86,10 @@ class Codec(abc.ABC):
         ``old_values``: the base's bf16 values at the same indices, or None (anchors).
         """
 
-    def prepare(self) -> None:  # noqa: B027 - an optional hook: most codecs need nothing
+    def prepare(self, *, jit: bool = True) -> None:  # noqa: B027 - optional: most need nothing
         """Get ready to decode (compile what ``decode`` runs), so that the first step a server
-        applies does not pay for it. Never raises; the default does nothing."""
+        applies does not pay for it; ``jit=False``: decode without JIT-compiled code. Never
+        raises; the default does nothing."""
 
     @abc.abstractmethod
     def decode(

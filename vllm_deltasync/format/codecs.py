@@ -38,10 +38,11 @@ def codec_names() -> list[str]:
     return sorted(CODECS)
 
 
-def prepare_decoders() -> None:
-    """Ready every codec's decoder (a server calls this before it starts following)."""
+def prepare_decoders(*, jit: bool = True) -> None:
+    """Ready every codec's decoder (a server calls this before it starts following); ``jit``
+    False: decode without JIT-compiled code (``SyncConfig.decoder="numpy"``)."""
     for codec in CODECS.values():
-        codec.prepare()
+        codec.prepare(jit=jit)
 
 
 def decode_chunk(

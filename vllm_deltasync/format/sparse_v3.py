@@ -256,9 +256,14 @@ class SparseV3Codec(Codec):
         _, meta, data = best
         return {"data": torch.frombuffer(bytearray(data), dtype=torch.uint8)}, meta
 
-    def prepare(self) -> None:
-        """Compile the numba decoder (~1 s, ~0.3 s from numba's disk cache)."""
-        _kernel()
+    def prepare(self, *, jit: bool = True) -> None:
+        """Compile the numba decoder (~1 s, ~0.3 s from numba's disk cache); ``jit=False``:
+        decode with numpy from now on, without importing numba."""
+        if jit:
+            _kernel()
+        else:
+            with _KERNEL_LOCK:
+                _KERNEL[:] = [None]
 
     def decode(
         self, tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any], count: int

@@ -213,7 +213,8 @@ class RankState:
         """Start the poller (after every rank's proof passed)."""
         if self.refused is None and not self.following:
             self.param_versions = _param_versions(self.model)  # the proof wrote and restored
-            prepare_decoders()  # before serving: a JIT compile would take the GIL mid-batch
+            # before serving: a JIT compile would hold the GIL between batches
+            prepare_decoders(jit=self.config.decoder == "auto")
             self.poller.start()
             self.following = True
 
