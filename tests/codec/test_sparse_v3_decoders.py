@@ -94,7 +94,7 @@ def test_a_numba_that_fails_to_compile_leaves_the_numpy_decoder(
     assert sparse_v3._KERNEL == [None]
     assert [r.getMessage() for r in caplog.records] == [
         "sparse-v3: numba could not compile the decoder (OSError: no LLVM target here); "
-        "decoding with numpy (~2x slower)"]
+        "decoding with numpy (~1.5x slower)"]
     old, new = _step(50_000, 0.01, "mixed")
     _roundtrip(old, new)
 

@@ -497,10 +497,10 @@ _KERNEL_LOCK = threading.Lock()
 
 def _kernel() -> Any:
     """``_fused`` compiled by numba (installed with vLLM), or None where numba is missing or
-    cannot compile: the numpy passes then decode the same chunks, ~2x slower.
+    cannot compile: the numpy passes then decode the same chunks, ~1.5x slower.
 
-    Compiled once per process at the first decode (~0.6 s, then cached on disk where numba
-    finds a writable cache directory)."""
+    Compiled once per process, at ``prepare`` or else the first decode (~1 s, ~0.3 s from
+    numba's disk cache where it finds a writable cache directory)."""
     if not _KERNEL:
         with _KERNEL_LOCK:
             if not _KERNEL:
@@ -526,7 +526,7 @@ def _compile() -> Any:
             raise RuntimeError(f"self-check decoded {seen} {idx.tolist()} {val.tolist()}")
     except Exception as exc:  # noqa: BLE001 - any numba failure leaves the numpy decoder
         logger.warning("sparse-v3: numba could not compile the decoder (%s: %s); decoding "
-                       "with numpy (~2x slower)", type(exc).__name__, str(exc)[:200])
+                       "with numpy (~1.5x slower)", type(exc).__name__, str(exc)[:200])
         return None
     return jitted
 
