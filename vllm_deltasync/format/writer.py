@@ -43,6 +43,7 @@ from vllm_deltasync.format.manifest import (
     RoleRange,
     TensorEntry,
     Totals,
+    manifest_identity,
     merge_ranges,
 )
 from vllm_deltasync.stores import Store
@@ -307,11 +308,15 @@ def write_files(store: Store, loop: BackgroundLoop, step: int, kind: Kind, items
 def write_step(store: Store, loop: BackgroundLoop, step: int, kind: Kind, base_step: int | None,
                anchor_step: int, fp: str, totals: tuple[int, int], items: list[StepItem], *,
                codec: str, max_file_bytes: int, timeout_s: float, version: int = SCHEMA_VERSION,
-               run_id: str | None = None, writer: str | None = None) -> Manifest:
-    """Write the data files of one step, then its manifest. Returns the committed manifest.
+               run_id: str | None = None, writer: str | None = None, base_id: str | None = None,
+               resumed_from: int | None = None) -> Manifest:
+    """Write the data files of one step, then its manifest. Returns the committed manifest,
+    its ``identity`` set from the bytes written.
 
-    ``version`` 3 (default) and 2 need ``run_id`` and ``writer`` (lowercase hex); 1 writes the
-    old format (no writer token, chunks placed by position).
+    ``version`` 3 (default) and 2 need ``run_id`` and ``writer`` (lowercase hex) and write
+    ``base_id`` (a delta: the identity of the manifest it was computed from) and
+    ``resumed_from`` (an anchor, optional); 1 writes the old format (no writer token, no
+    identities, chunks placed by position).
     """
     if version not in (1, 2, 3) or (version >= 2 and not (run_id and writer)):
         raise FormatError(f"write_step: format version {version!r} needs run_id and writer (v2, v3) "
@@ -326,9 +331,19 @@ def write_step(store: Store, loop: BackgroundLoop, step: int, kind: Kind, base_s
                       sum(f.size for f in file_entries)),
         schema_version=version, run_id=run_id if version >= 2 else None,
         writer=writer if version >= 2 else None,
+        base_id=base_id if version >= 2 and kind == "delta" else None,
+        resumed_from=resumed_from if version >= 2 and kind == "anchor" else None,
     )
-    loop.run(store.write(manifest_path(step), manifest.to_json()), timeout_s)
-    return manifest
+    return commit_manifest(store, loop, manifest, timeout_s)
+
+
+def commit_manifest(store: Store, loop: BackgroundLoop, manifest: Manifest,
+                    timeout_s: float) -> Manifest:
+    """Write ``manifest`` create-only (the commit point of its step; a committed step is never
+    rewritten) and return it with its ``identity``: the digest of exactly the bytes written."""
+    data = manifest.to_json()
+    loop.run(store.write(manifest_path(manifest.step), data), timeout_s)
+    return replace(manifest, identity=manifest_identity(data))
 
 
 async def retain(store: Store, keep_anchors: int,
@@ -336,14 +351,20 @@ async def retain(store: Store, keep_anchors: int,
                  writer: str | None = None) -> list[str]:
     """Delete this writer's steps older than its ``keep_anchors``-th newest anchor, and its orphans.
 
-    ``writer``: the writer token (format v2). Only manifests and data folders carrying it are
-    deleted, plus v1 (anonymous) steps older than the cutoff; another writer's manifests and
-    data are never touched. ``writer=None`` (a v1 publisher) keeps the v1 rules: every step
-    older than the cutoff and every orphan at or before the newest step. Orphans are data
-    folders of steps at or before the writer's newest committed step that the manifest of that
-    step does not reference (attempts killed before their manifest). ``known`` caches
+    Ownership (docs/format.md §10): a manifest belongs to its ``writer`` token, or is v1
+    (anonymous, writer None); a data folder belongs to the writer token in its name
+    (``token_writer``), or is v1 (a token without a writer). ``writer``: this writer's token
+    (format v2, v3). Only manifests and data folders carrying it are deleted, plus v1
+    (anonymous) steps older than the cutoff. ``writer=None`` (a v1 publisher) deletes only v1
+    manifests and v1 data folders: older than the cutoff, or orphans. Never deleted: another
+    writer's manifests and data, a manifest that does not parse or that holds another step
+    than its name (unknown owner), and data of such a step. Orphans are data folders of steps
+    at or before the writer's newest committed step that the manifest of that step does not
+    reference (attempts killed before their manifest). ``known`` caches
     ``step -> (kind, data folders, writer)`` between calls. Returns the deleted paths.
     """
+    from vllm_deltasync.errors import NotFoundError  # here: the module's imports are shared
+
     objects = await store.list()
     manifests = {s: o.path for o in objects if (s := parse_manifest_path(o.path)) is not None}
     if not manifests:
@@ -351,22 +372,25 @@ async def retain(store: Store, keep_anchors: int,
     for step in manifests.keys() - known.keys():
         try:
             m = Manifest.from_json(await store.read(manifests[step]), source=manifests[step])
-        except FormatError:
-            continue  # unreadable: never an anchor, and nobody's to delete unless v1 and too old
+        except (FormatError, NotFoundError):
+            continue  # unreadable (or gone): its owner is unknown, it is never deleted
+        if m.step != step:
+            continue  # a manifest of another step under this name: unknown owner, kept
         known[step] = (m.kind, frozenset(f.path.rsplit("/", 1)[0] for f in m.files), m.writer)
 
     def owner(step: int) -> str | None:
-        return known[step][2] if step in known else None
+        return known[step][2]
 
     mine = [s for s in manifests if s in known and owner(s) == writer]
+    if not mine:
+        return []  # nothing of its own committed: no cutoff, no newest step for orphans
     anchors = sorted(s for s in mine if known[s][0] == "anchor")
     cutoff = anchors[-keep_anchors] if len(anchors) >= keep_anchors else -1
-    newest = max(mine) if writer is not None and mine else max(manifests)
-    if writer is None:
-        doomed_steps = [s for s in manifests if s < cutoff]
-    else:  # own steps, and v1 steps (anonymous, readable) that are older than the cutoff
-        doomed_steps = [s for s in manifests if s < cutoff and s in known and owner(s) in (writer, None)]
-    doomed_manifests = [manifests[s] for s in doomed_steps]
+    newest = max(mine)
+    # own steps, and v1 (anonymous, readable) steps, older than the cutoff (for writer None
+    # both are the v1 steps)
+    doomed_steps = {s for s in manifests if s < cutoff and s in known and owner(s) in (writer, None)}
+    doomed_manifests = [manifests[s] for s in sorted(doomed_steps)]
     doomed_data = []
     for o in objects:
         parsed = parse_data_path(o.path)
@@ -374,13 +398,18 @@ async def retain(store: Store, keep_anchors: int,
             continue
         step, token = parsed
         by = token_writer(token)
-        if writer is not None and by != writer:
-            if by is None and step < cutoff and (step not in manifests or step in doomed_steps):
-                doomed_data.append(o.path)  # v1 (anonymous) data of a deleted or absent step
+        if by is not None and by != writer:
+            continue  # another writer's data: never
+        if step in manifests and step not in known:
+            continue  # its step's manifest is unreadable: it may reference this folder
+        referenced = step in known and data_dir(step, token) in known[step][1]
+        if referenced and step not in doomed_steps:
+            continue  # data of a kept step (whoever's manifest references it)
+        if by is None and writer is not None:  # v1 data, seen by a v2/v3 writer: old only
+            if step < cutoff:
+                doomed_data.append(o.path)
             continue
-        orphan = step <= newest and (
-            step not in manifests or (step in known and data_dir(step, token) not in known[step][1])
-        )
+        orphan = step <= newest and not referenced
         if step < cutoff or orphan:
             doomed_data.append(o.path)
     await store.delete(doomed_manifests)  # manifests first: no reader sees a step losing data
