@@ -232,6 +232,16 @@ class BucketReader:
         return _load(m, entry, await self._verified_bytes(m, entry))
 
     async def _verified_bytes(self, m: Manifest, entry: FileEntry) -> bytes:
+        """The file's bytes, size and sha256 checked. Bytes that fail are evicted from the
+        store's cache (a node cache) when it held them, and read once more from the bucket."""
+        try:
+            return await self._checked_bytes(m, entry)
+        except IntegrityError:
+            if not await self.store.evict(entry.path):
+                raise
+        return await self._checked_bytes(m, entry)
+
+    async def _checked_bytes(self, m: Manifest, entry: FileEntry) -> bytes:
         try:
             data = await self.store.read(entry.path)
         except NotFoundError as exc:
@@ -310,7 +320,17 @@ class BucketReader:
 
     async def _fetch_chunks(self, m: Manifest, index: int,
                             pairs: list[tuple[TensorEntry, Chunk]]) -> list[TensorPatch]:
-        """v2: range-read the chunks' bytes (adjacent ranges merged), verify, decode."""
+        """v2: range-read the chunks' bytes (adjacent ranges merged), verify, decode. Bytes that
+        fail a check are evicted from the store's cache when it held them, and read once more."""
+        try:
+            return await self._fetch_chunks_once(m, index, pairs)
+        except IntegrityError:
+            if not await self.store.evict(m.files[index].path):
+                raise
+        return await self._fetch_chunks_once(m, index, pairs)
+
+    async def _fetch_chunks_once(self, m: Manifest, index: int,
+                                 pairs: list[tuple[TensorEntry, Chunk]]) -> list[TensorPatch]:
         entry = m.files[index]
         parts: list[tuple[int, bytes]] = []
         for offset, length in _chunk_ranges(pairs):

@@ -102,6 +102,12 @@ class Store(abc.ABC):
     async def delete(self, paths: Sequence[str]) -> None:
         """Remove ``paths``; missing ones are ignored."""
 
+    async def evict(self, path: str) -> bool:
+        """Drop every local copy of ``path`` this store keeps (a cache), e.g. after its bytes
+        failed a sha256 check, so that the next ``read`` fetches it from the bucket again.
+        True if a copy was dropped; a store that keeps none returns False (this default)."""
+        return False
+
     async def close(self) -> None:  # noqa: B027 - optional hook
         """Release connections. The store must not be used afterwards."""
 

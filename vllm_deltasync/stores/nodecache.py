@@ -4,20 +4,36 @@ Under tensor parallelism every rank needs every tensor, so ranks that each follo
 alone fetch its bytes once per rank (measured: 2.00x at TP=2) and each run discovery. Bucket
 objects are immutable (docs/format.md), so a node-local cache of them is always correct:
 
-* **reads** (whole objects and byte ranges) go through ``<root>/objects/``: the first rank to
-  need an object or range takes its lock file, downloads and writes it atomically; the others
-  wait on the lock and read the local copy. A range inside a cached whole object is sliced
-  from it. Ranks still verify every byte against the manifest's sha256s after reading.
+* **reads** of data objects (whole objects and byte ranges) go through ``<root>/objects/``: the
+  first rank to need an object or range takes its lock file, downloads and writes it
+  atomically; the others wait on the lock and read the local copy. A range inside a cached
+  whole object is sliced from it. Ranks still verify every byte against the manifest's sha256s
+  after reading; bytes that fail are dropped from the cache (:meth:`NodeCachedStore.evict`,
+  called by ``format/reader.py``) and read once more from the bucket, so a corrupt cached copy
+  never sticks.
+* **manifests are never served from the cache**: a read under ``manifests/`` goes to the bucket
+  every time. A manifest is small, and it is the root of trust: its sha256s are what every data
+  byte is checked against, so a copy on local disk could vouch for forged data.
 * **discovery**: one rank per node is the *leader* (it holds ``<root>/leader.lock``). Only the
   leader asks the bucket what exists (``stat``, ``list``, the hf:// events feed) and records
-  each answer that found something under ``<root>/seen/``; the other ranks' discovery answers
-  from those records and the cached objects, with no request to the bucket. A follower sees a
-  step at most one poll interval after the leader.
+  each answer that found something under ``<root>/seen/`` (as does a rank that read a manifest
+  whole); the other ranks' discovery answers from those records and the cached objects, with no
+  request to the bucket. A follower sees a step at most one poll interval after the leader. A
+  record that cannot be read or parsed counts as unknown, and the leader's next answer replaces
+  it. Records only say that a path exists; its bytes are still read from the bucket.
 
 ``root`` is per engine instance: ``<base>/<url hash>/<parent pid>`` (the ranks of one engine
 on one node share their parent, the engine core or the node's launcher), so engines never see
 each other's files and a reused bucket name cannot serve stale bytes. The leader deletes
 objects nobody read for ``ttl_s`` seconds and the directories of engines that are gone.
+
+The cache is private to the user running the server: ``<base>``, ``<url hash>``, ``<root>`` and
+the folders under it are created with mode 0700, and an existing ``<base>``, ``<url hash>`` or
+``<root>`` (and ``objects``, ``seen``, ``locks``) must be a real directory (not a symbolic
+link) owned by this user with no access for group or others, or the store refuses to start
+with a :class:`~vllm_deltasync.errors.ConfigError` naming the path, what is wrong and the fix.
+The default base is per user, ``/dev/shm/vllm-deltasync-<uid>``, so two users of one machine
+never share (or pre-create) each other's cache.
 
 Bytes cached are bounded by what the ranks read within ``ttl_s``; the cache lives in
 ``/dev/shm`` by default (RAM: count it in the node's memory budget, docs/extension.md).
@@ -31,6 +47,7 @@ import fcntl
 import hashlib
 import json
 import os
+import re
 import shutil
 import tempfile
 import time
@@ -38,16 +55,22 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from vllm_deltasync.errors import ConfigError
+from vllm_deltasync.errors import ConfigError, FormatError
+from vllm_deltasync.format.layout import MANIFEST_DIR
 from vllm_deltasync.stores.base import ObjectInfo, Store, check_path
 
 DEFAULT_BASE = "/dev/shm/vllm-deltasync"
+"""Prefix of the default base; :func:`default_base` appends ``-<uid>`` (one per user)."""
+
+_RANGE_SUFFIX = re.compile(r"all|[0-9]+-[0-9]*")
 
 
 def default_base() -> Path:
-    """``/dev/shm/vllm-deltasync`` where ``/dev/shm`` exists, else the system temp folder."""
+    """``/dev/shm/vllm-deltasync-<uid>`` where ``/dev/shm`` exists, else
+    ``<system temp folder>/vllm-deltasync-<uid>``: one base per user, never shared."""
     shm = Path(DEFAULT_BASE)
-    return shm if shm.parent.is_dir() else Path(tempfile.gettempdir()) / "vllm-deltasync"
+    name = f"{shm.name}-{os.getuid()}"
+    return shm.parent / name if shm.parent.is_dir() else Path(tempfile.gettempdir()) / name
 
 
 def cache_root(base: Path, url: str, session: str | None = None) -> Path:
@@ -58,7 +81,12 @@ def cache_root(base: Path, url: str, session: str | None = None) -> Path:
 
 class NodeCachedStore(Store):
     """``inner`` read through a node-local cache shared with the engine's other local ranks
-    (see the module docstring). Read-only: servers never write to the bucket."""
+    (see the module docstring). Read-only: servers never write to the bucket.
+
+    ``root`` is :func:`cache_root`'s ``<base>/<url hash>/<session>``: those three levels and
+    ``objects``, ``seen``, ``locks`` under it are created private (0700) or checked to be, and
+    :class:`ConfigError` refuses a level another user owns or may read or write, or a symlink.
+    """
 
     def __init__(self, inner: Store, root: Path, *, ttl_s: float = 600.0) -> None:
         super().__init__()
@@ -67,8 +95,7 @@ class NodeCachedStore(Store):
         self.scheme = inner.scheme
         self.root = root
         self.ttl_s = ttl_s
-        for sub in ("objects", "seen", "locks"):
-            (root / sub).mkdir(parents=True, exist_ok=True)
+        _private_tree(root, ("objects", "seen", "locks"))
         self._leader_fd: int | None = os.open(root / "leader.lock", os.O_CREAT | os.O_RDWR, 0o600)
         try:
             fcntl.flock(self._leader_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -80,6 +107,7 @@ class NodeCachedStore(Store):
             self.changes = inner.changes  # only the leader watches the events feed
         self.cache_hits = 0
         self.cache_misses = 0
+        self.evictions = 0
         self._last_prune = 0.0
         if self.leader:
             _remove_gone_sessions(root)
@@ -89,13 +117,22 @@ class NodeCachedStore(Store):
         return self.inner.url
 
     # ---------------------------------------------------------------- reads
-    async def read(self, path: str, start: int = 0, end: int | None = None) -> bytes:
+    async def read(self, path: str, start: int = 0, end: int | None = None, *,
+                   max_bytes: int | None = None) -> bytes:
         check_path(path)
+        # a cap on what this read may return (the manifest reader's): passed on to the bucket
+        capped: dict[str, Any] = {} if max_bytes is None else {"max_bytes": max_bytes}
+        if path.startswith(MANIFEST_DIR + "/"):  # the root of trust: from the bucket, every time
+            manifest = await self.inner.read(path, start, end, **capped)
+            if (start, end) == (0, None):
+                self._record([ObjectInfo(path, len(manifest))])  # followers' discovery knows it
+            return manifest
         whole = self._object(path, 0, None)
         data = _read_file(whole)
         if data is not None:
             self.cache_hits += 1
-            return data[start:end] if (start, end) != (0, None) else data
+            return self._capped(path, data[start:end] if (start, end) != (0, None) else data,
+                                max_bytes)
         target = self._object(path, start, end)
         data = _read_file(target)
         if data is None:
@@ -103,12 +140,38 @@ class NodeCachedStore(Store):
                 data = _read_file(target)
                 if data is None:
                     self.cache_misses += 1
-                    data = await self.inner.read(path, start, end)
+                    data = await self.inner.read(path, start, end, **capped)
                     _write_atomic(target, data)
                     self._prune()
                     return data
         self.cache_hits += 1
+        return self._capped(path, data, max_bytes)
+
+    def _capped(self, path: str, data: bytes, max_bytes: int | None) -> bytes:
+        if max_bytes is not None and len(data) > max_bytes:
+            raise FormatError(f"{self.url}/{path}: {len(data)} bytes, over the {max_bytes}-byte "
+                              "cap of this read")
         return data
+
+    async def evict(self, path: str) -> bool:
+        """Delete every cached copy of ``path`` (the whole object and each range), e.g. after
+        its bytes failed a sha256 check: the next read fetches it from the bucket again."""
+        check_path(path)
+        target = self._object(path, 0, None)
+        name = target.name[: -len("all")]  # "<file name>@"
+        try:
+            entries = os.listdir(target.parent)
+        except (FileNotFoundError, NotADirectoryError):
+            return False
+        removed = False
+        for entry in entries:
+            if entry.startswith(name) and _RANGE_SUFFIX.fullmatch(entry[len(name):]):
+                with contextlib.suppress(FileNotFoundError):  # another rank evicted it first
+                    os.unlink(target.parent / entry)
+                    removed = True
+        if removed:
+            self.evictions += 1
+        return removed
 
     def _object(self, path: str, start: int, end: int | None) -> Path:
         suffix = "@all" if (start, end) == (0, None) else f"@{start}-{'' if end is None else end}"
@@ -142,16 +205,17 @@ class NodeCachedStore(Store):
         return sorted(self._known_under(prefix), key=lambda o: o.path)
 
     def _record(self, infos: Sequence[ObjectInfo]) -> None:
+        """Record what exists; a missing, garbage or differently sized record is (re)written."""
         for info in infos:
             record = self.root / "seen" / (info.path + ".json")
-            if not record.exists():
+            known = _read_record(record)
+            if known is None or known[0] != info.size:
                 _write_atomic(record, json.dumps({"size": info.size, "etag": info.etag}).encode())
 
     def _known(self, path: str) -> ObjectInfo | None:
-        record = _read_file(self.root / "seen" / (path + ".json"))
+        record = _read_record(self.root / "seen" / (path + ".json"))
         if record is not None:
-            meta = json.loads(record)
-            return ObjectInfo(path, int(meta["size"]), meta.get("etag"))
+            return ObjectInfo(path, *record)
         whole = self._object(path, 0, None)
         if whole.is_file():  # read by some rank (e.g. the leader's manifest after an event)
             return ObjectInfo(path, whole.stat().st_size)
@@ -205,8 +269,85 @@ def _read_file(path: Path) -> bytes | None:
         return None
 
 
+def _read_record(path: Path) -> tuple[int, str | None] | None:
+    """(size, etag) of a discovery record; None when there is none or it is garbage (unreadable,
+    not JSON, not an object with an integer ``size`` and a string or null ``etag``)."""
+    try:
+        meta = json.loads(path.read_bytes())
+    except (OSError, ValueError, RecursionError):
+        return None
+    if not isinstance(meta, dict):
+        return None
+    size, etag = meta.get("size"), meta.get("etag")
+    if type(size) is not int or size < 0 or not (etag is None or isinstance(etag, str)):
+        return None
+    return size, etag
+
+
+def _private_tree(root: Path, subdirs: Sequence[str]) -> None:
+    """Create (mode 0700) or check ``<base>/<url hash>/<session>`` = ``root`` and ``subdirs``."""
+    base = root.parent.parent
+    for parent in reversed(base.parents):  # above the cache: create what is missing, no checks
+        if not parent.is_dir():
+            _mkdir_private(parent)
+    for level in (base, root.parent, root, *(root / sub for sub in subdirs)):
+        _private_dir(level)
+
+
+def _mkdir_private(path: Path) -> bool:
+    """Create ``path`` with mode 0700; False if something is there already."""
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        return False
+    except OSError as exc:
+        raise ConfigError(f"node cache directory {path} cannot be created ({exc.strerror}); set "
+                          "node_cache_dir (VLLM_DELTASYNC_NODE_CACHE_DIR) to a private directory "
+                          "this user may create") from exc
+    return True
+
+
+def _private_dir(path: Path) -> None:
+    """Create ``path`` with mode 0700, or check that the existing one is private: a directory,
+    not a symbolic link, owned by this user, no access for group or others. ConfigError if not."""
+    created = _mkdir_private(path)
+    uid = os.getuid()
+    try:  # O_NOFOLLOW: a symlink in its place is refused, never followed
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    except OSError as exc:
+        problem = ("is a symbolic link" if os.path.islink(path)
+                   else f"is not a directory this user can open ({exc.strerror})")
+    else:
+        try:
+            if created:
+                os.fchmod(fd, 0o700)  # whatever the umask took away
+            st = os.fstat(fd)
+        finally:
+            os.close(fd)
+        if st.st_uid != uid:
+            problem = f"is owned by uid {st.st_uid}, not by this user (uid {uid})"
+        elif st.st_mode & 0o077:
+            problem = (f"has mode {st.st_mode & 0o777:04o}: other users may read or write it "
+                       "(it must be 0700)")
+        else:
+            return
+    raise ConfigError(
+        f"node cache directory {path} {problem}; remove it, or set node_cache_dir "
+        "(VLLM_DELTASYNC_NODE_CACHE_DIR) to a private directory (owned by uid "
+        f"{uid}, mode 0700)")
+
+
+def _makedirs(path: Path) -> None:
+    """``path`` and its missing parents, mode 0700 (under the checked root)."""
+    if path.is_dir():
+        return
+    _makedirs(path.parent)
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(path, 0o700)
+
+
 def _write_atomic(path: Path, data: bytes | memoryview) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
+    _makedirs(path.parent)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
     try:
         with os.fdopen(fd, "wb") as f:
