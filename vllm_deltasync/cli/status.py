@@ -6,7 +6,10 @@
     http://rollout-0:9464/metrics  applied=41 newest=42 behind=1 lag=3.2s ranks=2 error=-
     http://rollout-1:9464/metrics  applied=42 newest=42 behind=0 lag=0.0s ranks=2 error=-
 
-A URL without a path gets ``/metrics``; one without a scheme gets ``http://``. A replica with
+A URL without a path gets ``/metrics``; one without a scheme gets ``http://``. A
+``user:password@`` in a URL is dropped before anything is looked up or sent (it would
+otherwise reach the host name lookup; the metrics endpoint takes no credentials) and never
+shown. A replica with
 tensor parallelism reports one series per rank: the line shows its worst rank (lowest applied
 step, most steps behind) and the error of a rank whose last attempt failed
 (``error=IntegrityError@rank1``). Exit status: 0 all fine, 1 a server unreachable or exposing no
@@ -28,7 +31,7 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from vllm_deltasync._urls import redact_text, redact_url
+from vllm_deltasync._urls import redact_text, redact_url, strip_userinfo
 from vllm_deltasync.errors import ConfigError
 
 _MAX_METRICS_BYTES = 16 << 20
@@ -65,11 +68,18 @@ def _show(value: int | None) -> str:
 
 
 def metrics_url(url: str) -> str:
-    """``host:9464`` -> ``http://host:9464/metrics``; a URL with a path is kept."""
+    """``host:9464`` -> ``http://host:9464/metrics``; a URL with a path is kept, a
+    ``user:password@`` dropped (it must never reach a host name lookup)."""
     if "://" not in url:
         url = "http://" + url
-    parts = urllib.parse.urlsplit(url)
-    if parts.scheme not in ("http", "https") or not parts.netloc:
+    url = strip_userinfo(url)
+    try:
+        parts = urllib.parse.urlsplit(url)
+        host, _ = parts.hostname, parts.port
+    except ValueError:
+        raise ConfigError(f"status: {redact_url(url)!r} is not a valid URL (host or port); "
+                          "use host:port or http://host:port/metrics") from None
+    if parts.scheme not in ("http", "https") or not host:
         raise ConfigError(f"status: {redact_url(url)!r} is not an http(s) URL of a metrics endpoint")
     if parts.path in ("", "/"):
         parts = parts._replace(path="/metrics")

@@ -22,7 +22,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from vllm_deltasync._urls import check_bucket_url, redact_url
+from vllm_deltasync._urls import KNOWN_SCHEMES, check_bucket_url, redact_url
 from vllm_deltasync.errors import ConfigError
 from vllm_deltasync.stores._retry import RetryPolicy
 from vllm_deltasync.stores.base import ObjectInfo, Store, StoreStats
@@ -35,6 +35,14 @@ _REGISTRY: dict[str, tuple[str, str, str | None]] = {
     "s3": ("vllm_deltasync.stores.s3", "S3Store", "s3"),
 }
 
+# scheme -> the URL form a refusal of a malformed URL of that scheme names
+_FORMS: dict[str, str] = {
+    "file": "file:///path/to/bucket (or a bare path)",
+    "memory": "memory://NAME",
+    "hf": "hf://buckets/<namespace>/<name>[/<prefix>]",
+    "s3": "s3://<bucket>[/<prefix>]",
+}
+
 
 def register_store(scheme: str, module: str, cls: str, extra: str | None = None) -> None:
     """Make ``open_store`` serve ``scheme://`` URLs with ``module.cls``."""
@@ -42,7 +50,8 @@ def register_store(scheme: str, module: str, cls: str, extra: str | None = None)
 
 
 def split_scheme(url: str) -> tuple[str, str]:
-    """``"s3://b/p"`` -> ``("s3", "b/p")``; a bare path is ``file``."""
+    """``"s3://b/p"`` -> ``("s3", "b/p")``; a bare path is ``file``. (``open_store`` refuses a
+    known scheme without ``//`` first: ``s3:b/p`` is malformed, not the path ``s3:b/p``.)"""
     if "://" not in url:
         return "file", url
     scheme, rest = url.split("://", 1)
@@ -52,7 +61,9 @@ def split_scheme(url: str) -> tuple[str, str]:
 def open_store(url: str, **options: Any) -> Store:
     """The store for ``url``. ``options`` go to the backend's ``from_url`` (its ``store_options``:
     for s3:// and hf:// the fields of ``S3Options`` / ``HfOptions``; unknown keys are refused)."""
-    check_bucket_url(url)  # no credentials or query strings in a bucket URL
+    # no credentials or query strings in a bucket URL; "s3:K:S@b/p", "hf:buckets/..." and
+    # "s3:///..." are malformed URLs, refused without echoing them, never local paths
+    check_bucket_url(url, frozenset(KNOWN_SCHEMES) | frozenset(_REGISTRY), _FORMS)
     scheme, _ = split_scheme(url)
     try:
         module_name, cls_name, extra = _REGISTRY[scheme]
