@@ -10,15 +10,26 @@ A writer killed between the temporary file and the publish leaves the temporary 
 have not changed for ``stale_temp_s`` (default 10 minutes: a live writer keeps its file's
 mtime fresh), so the next publisher on the bucket cleans up after a killed one;
 :meth:`LocalStore.remove_stale_temp` does it on demand.
+
+What a hostile or broken directory may hold never hangs or crashes a reader: ``read`` opens
+with ``O_NONBLOCK`` and refuses anything but a regular file (a FIFO, socket or device, also
+behind a symlink such as ``-> /dev/zero``) with a :class:`StoreError` naming the path;
+``max_bytes`` is checked against the file's size before a byte is read. ``list`` never
+follows directory symlinks (a symlink cycle is not walked) and skips entries it cannot stat
+(a symlink loop, a dangling link) or that are not regular files, with one log line per entry
+per store. Any ``OSError`` of a read, write or listing (``ENOSPC``: disk full,
+``EACCES``...) is a :class:`StoreError` naming the path.
 """
 
 from __future__ import annotations
 
 import asyncio
 import builtins
+import errno
 import logging
 import os
 import secrets
+import stat as stat_module
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -26,6 +37,7 @@ from typing import Any
 
 from vllm_deltasync._urls import redact_url
 from vllm_deltasync.errors import AlreadyExistsError, ConfigError, NotFoundError, StoreError
+from vllm_deltasync.stores._parts import check_max_bytes, too_large
 from vllm_deltasync.stores.base import ObjectInfo, Store, check_path
 
 _TMP_PREFIX = ".tmp-"
@@ -45,6 +57,8 @@ class LocalStore(Store):
         self.fsync = fsync
         self.stale_temp_s = stale_temp_s
         self._swept = False
+        self._reported: set[str] = set()
+        """Entries a listing skipped and already logged (one log line each, not one a poll)."""
 
     def remove_stale_temp(self, older_than_s: float | None = None) -> list[str]:
         """Delete temporary files left by killed writers (unchanged for ``older_than_s``,
@@ -52,7 +66,7 @@ class LocalStore(Store):
         limit = self.stale_temp_s if older_than_s is None else older_than_s
         cutoff = time.time() - limit
         removed: builtins.list[str] = []
-        for dirpath, _, filenames in os.walk(self.root):
+        for dirpath, _, filenames in os.walk(self.root, followlinks=False):
             for name in filenames:
                 if not name.startswith(_TMP_PREFIX):
                     continue
@@ -61,7 +75,7 @@ class LocalStore(Store):
                     if full.stat().st_mtime <= cutoff:
                         full.unlink()
                         removed.append(str(full.relative_to(self.root)))
-                except FileNotFoundError:
+                except OSError:  # gone meanwhile, a symlink loop, no permission: not ours to fix
                     continue
         for rel in removed:
             _remove_empty_dirs((self.root / rel).parent, self.root)
@@ -93,7 +107,9 @@ class LocalStore(Store):
             raise ConfigError(f"list prefix {prefix!r} must be relative, without '..'")
         found: builtins.list[ObjectInfo] = []
         top = self.root / prefix.rsplit("/", 1)[0] if "/" in prefix else self.root
-        for dirpath, dirnames, filenames in os.walk(top):
+        # followlinks=False: a directory symlink (a cycle) is never walked into; errors of
+        # a folder that cannot be read are skipped like the entries below
+        for dirpath, dirnames, filenames in os.walk(top, followlinks=False):
             dirnames.sort()
             rel_dir = os.path.relpath(dirpath, self.root)
             for name in filenames:
@@ -103,38 +119,85 @@ class LocalStore(Store):
                 if not rel.startswith(prefix):
                     continue
                 try:
-                    size = os.stat(os.path.join(dirpath, name)).st_size
+                    st = os.stat(os.path.join(dirpath, name))
                 except FileNotFoundError:
-                    continue  # deleted while listing
-                found.append(ObjectInfo(rel, size))
+                    continue  # deleted while listing (or a dangling symlink)
+                except OSError as exc:  # a symlink loop (ELOOP), no permission...
+                    self._skip(rel, exc.strerror or type(exc).__name__)
+                    continue
+                if not stat_module.S_ISREG(st.st_mode):
+                    self._skip(rel, f"not a regular file ({_kind(st.st_mode)})")
+                    continue
+                found.append(ObjectInfo(rel, st.st_size))
         found.sort(key=lambda info: info.path)
         self.stats.count("list", "ok")
         return found
+
+    def _skip(self, rel: str, why: str) -> None:
+        if rel not in self._reported:
+            if len(self._reported) >= 4096:
+                self._reported.clear()
+            self._reported.add(rel)
+            logger.warning("%s/%s: skipped by listing: %s", self.url, rel, why)
 
     async def stat(self, path: str) -> ObjectInfo | None:
         full = self._full(path)
         try:
             st = await asyncio.to_thread(os.stat, full)
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):
             self.stats.count("stat", "not_found")
             return None
+        except OSError as exc:  # a symlink loop, no permission
+            self.stats.count("stat", "error")
+            raise StoreError(f"{self.url}/{path}: cannot stat ({_reason(exc)})") from None
         self.stats.count("stat", "ok")
         return ObjectInfo(path, st.st_size)
 
-    async def read(self, path: str, start: int = 0, end: int | None = None) -> bytes:
-        data = await asyncio.to_thread(self._read, self._full(path), start, end)
+    async def read(
+        self, path: str, start: int = 0, end: int | None = None, *, max_bytes: int | None = None
+    ) -> bytes:
+        check_max_bytes(max_bytes)
+        data = await asyncio.to_thread(self._read, path, start, end, max_bytes)
         self.stats.count("read", "ok")
         self.stats.bytes_read += len(data)
         return data
 
-    def _read(self, full: Path, start: int, end: int | None) -> bytes:
+    def _read(self, path: str, start: int, end: int | None, max_bytes: int | None) -> bytes:
+        full, where = self._full(path), f"{self.url}/{path}"
         try:
-            with open(full, "rb") as fh:
-                fh.seek(start)
-                return fh.read() if end is None else fh.read(max(0, end - start))
+            # O_NONBLOCK: opening a FIFO does not wait for a writer (it is refused below)
+            fd = os.open(full, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
         except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
             self.stats.count("read", "not_found")
-            raise NotFoundError(f"{self.url}/{full.relative_to(self.root)}: no such object") from None
+            raise NotFoundError(f"{where}: no such object") from None
+        except OSError as exc:  # a symlink loop, a socket (ENXIO), no permission
+            self.stats.count("read", "error")
+            raise StoreError(f"{where}: cannot open ({_reason(exc)})") from None
+        with os.fdopen(fd, "rb") as fh:
+            st = os.fstat(fd)
+            if not stat_module.S_ISREG(st.st_mode):
+                self.stats.count("read", "error")
+                if stat_module.S_ISDIR(st.st_mode):
+                    raise NotFoundError(f"{where}: no such object (a directory)")
+                raise StoreError(
+                    f"{where}: not a regular file ({_kind(st.st_mode)}); refused: a bucket holds "
+                    "only regular files, remove or replace it")
+            stop = st.st_size if end is None else min(end, st.st_size)
+            want = max(0, stop - start)
+            if max_bytes is not None and want > max_bytes:
+                self.stats.count("read", "error")
+                raise too_large(where, max_bytes, want)
+            try:
+                fh.seek(start)
+                # never more than the cap + 1, even if the file grew since fstat
+                data = fh.read(want if max_bytes is None or end is not None else max_bytes + 1)
+            except OSError as exc:
+                self.stats.count("read", "error")
+                raise StoreError(f"{where}: read failed ({_reason(exc)})") from None
+        if max_bytes is not None and len(data) > max_bytes:
+            self.stats.count("read", "error")
+            raise too_large(where, max_bytes)
+        return data
 
     async def write(self, path: str, data: bytes | memoryview, *, overwrite: bool = False) -> None:
         await asyncio.to_thread(self._write, path, data, overwrite)
@@ -142,6 +205,20 @@ class LocalStore(Store):
         self.stats.bytes_written += len(data)
 
     def _write(self, path: str, data: bytes | memoryview, overwrite: bool) -> None:
+        try:
+            self._write_file(path, data, overwrite)
+        except StoreError:
+            raise
+        except OSError as exc:  # ENOSPC (disk full), EDQUOT, EACCES, EROFS...
+            self.stats.count("write", "error")
+            hint = {errno.ENOSPC: "; the disk is full: free space or move the bucket",
+                    errno.EDQUOT: "; the disk quota is exhausted",
+                    errno.EROFS: "; the file system is read-only",
+                    errno.EACCES: "; check the bucket folder's permissions"}.get(exc.errno or 0, "")
+            raise StoreError(f"{self.url}/{path}: cannot write ({_reason(exc)}){hint}; "
+                             "nothing was published under this name") from None
+
+    def _write_file(self, path: str, data: bytes | memoryview, overwrite: bool) -> None:
         if not self._swept:
             self._swept = True
             try:
@@ -198,6 +275,21 @@ class LocalStore(Store):
             self.stats.count("delete", "ok")
         for parent in sorted(parents, key=lambda p: len(p.parts), reverse=True):
             _remove_empty_dirs(parent, self.root)
+
+
+def _reason(exc: OSError) -> str:
+    return exc.strerror or type(exc).__name__
+
+
+def _kind(mode: int) -> str:
+    """What a non-regular file is, in words."""
+    for test, name in ((stat_module.S_ISFIFO, "a FIFO"), (stat_module.S_ISSOCK, "a socket"),
+                       (stat_module.S_ISCHR, "a character device"),
+                       (stat_module.S_ISBLK, "a block device"), (stat_module.S_ISDIR, "a directory"),
+                       (stat_module.S_ISLNK, "a symlink")):
+        if test(mode):
+            return name
+    return "not a regular file"
 
 
 def _remove_empty_dirs(folder: Path, root: Path) -> None:
