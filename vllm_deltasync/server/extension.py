@@ -54,7 +54,7 @@ import torch
 
 from vllm_deltasync.config import SyncConfig, is_configured
 from vllm_deltasync.errors import ApplyError, DeltaSyncError
-from vllm_deltasync.server.engine.coordinator import Coordinator
+from vllm_deltasync.server.engine.coordinator import FAIL_APPLY_RPC_ENV, Coordinator
 from vllm_deltasync.server.worker.rank import (
     RankState,
     checkpoint_params,
@@ -78,6 +78,8 @@ class DeltaSyncExtension:
     """
 
     _deltasync: RankState | None
+    _deltasync_writing: int | None
+    """The step whose apply started on this rank and has not answered yet."""
 
     def _deltasync_state(self) -> RankState:
         state = getattr(self, "_deltasync", None)
@@ -179,36 +181,96 @@ class DeltaSyncExtension:
         """Steps staged and fully prepared on this rank, in apply order."""
         return self._deltasync_state().sync.ready_steps()
 
-    def deltasync_apply(self, step: int) -> dict[str, Any]:
-        """Apply every staged step up to ``step`` in place. Returns what was done, or the error
-        and whether this rank put its weights back (``reverted``). The switch stays pending
-        (its undo kept) until ``deltasync_commit`` or ``deltasync_revert``."""
+    def deltasync_apply(self, step: int, identity: str | None = None) -> dict[str, Any]:
+        """Apply every staged step up to ``step`` (``identity``: the manifest identity the
+        engine core chose, checked against the staged step) in place. Returns what was done,
+        or the error and whether this rank put its weights back (``reverted``). The switch
+        stays pending (its undo kept) until ``deltasync_commit`` or ``deltasync_revert``.
+
+        Never raises on purpose (vLLM would stop reading the later ranks' answers): any
+        failure is answered, ``BaseException`` included. Only ``KeyboardInterrupt`` and
+        ``SystemExit`` (the worker is shutting down) propagate, after the rank forgot its
+        applied step. A failure that escaped the rank's own put-back (a ``BaseException`` out
+        of ``RankState.apply``) leaves the weights unknown: the rank resets and answers
+        ``reverted`` False. The engine core does not rely on any of this: if the broadcast
+        itself fails it asks every rank to revert (``deltasync_revert``)."""
         from vllm_deltasync.server.worker.rank import ApplyFailed
 
         state = self._deltasync_state()
+        _apply_rpc_failpoint(self, state.rank, step)  # test-only, raises out of the RPC
+        self._deltasync_writing = step
         try:
-            return {"ok": True, "rank": state.rank, **state.apply(step)}
+            out = {"ok": True, "rank": state.rank, **state.apply(step, identity=identity)}
         except Exception as exc:  # noqa: BLE001 - reported to the coordinator, never raised
             error = f"{type(exc).__name__}: {exc}"
             logger.exception("deltasync apply step=%d rank=%d failed", step, state.rank)
             reverted = isinstance(exc, ApplyFailed) and exc.reverted
             if not reverted:
                 state.reset(error)
-            return {"ok": False, "rank": state.rank, "error": error, "reverted": reverted}
+            out = {"ok": False, "rank": state.rank, "error": error, "reverted": reverted}
+        except BaseException as exc:
+            error = f"{type(exc).__name__}: {exc}"
+            with contextlib.suppress(Exception):
+                state.reset(f"{error} (escaped the apply: the weights are unknown)")
+            if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+                raise
+            logger.error("deltasync apply step=%d rank=%d failed: %s", step, state.rank, error,
+                         exc_info=exc)
+            out = {"ok": False, "rank": state.rank, "error": error, "reverted": False}
+        self._deltasync_writing = None
+        return out
 
-    def deltasync_commit(self, step: int) -> bool:
+    def deltasync_commit(self, step: int) -> bool | None:
         """The engine core made the switch to ``step`` final (prefix cache reset, weight
-        version set): drop its undo. True when that switch was pending on this rank."""
-        return self._deltasync_state().commit(step)
+        version set): drop its undo. True when that switch was pending on this rank, False
+        when it was not (idempotent: the engine core sends it again after a failed commit
+        broadcast); None when the commit failed here (logged; the switch stays pending)."""
+        try:
+            return self._deltasync_state().commit(step)
+        except Exception:  # noqa: BLE001 - answered, never raised (see deltasync_apply)
+            logger.exception("deltasync commit step=%d failed", step)
+            return None
 
-    def deltasync_revert(self, step: int, reason: str) -> bool:
-        """Take back this rank's switch to ``step`` (another rank or the engine core failed
-        it). True when the rank holds its weights from before that switch again."""
-        return self._deltasync_state().revert(step, reason)
+    def deltasync_revert(self, step: int, reason: str,
+                         before: dict[str, Any] | None = None) -> bool:
+        """Take back this rank's switch to ``step`` (another rank, the engine core or the
+        apply broadcast itself failed it). True when the rank holds its weights from before
+        that switch again: it had the switch pending and put it back, or its own apply failed
+        and was put back already, or it never wrote ``step`` and still holds ``before`` (the
+        ``applied_step``/``applied_id`` every rank held before the switch; then the step is
+        dropped as on the other ranks and the rank waits for a newer anchor). Otherwise it
+        forgets its applied step (resync through an anchor) and answers False. Never raises."""
+        try:
+            state = self._deltasync_state()
+            if (before is not None and self._deltasync_writing_step() is None
+                    and state.sync.pending_step() is None
+                    and not state.sync.already_reverted(step)
+                    and _holds(state, before)):
+                state.sync.rewind(state.sync.applied, step, reason)
+                logger.warning("deltasync rank %d never wrote step %d; dropped it: %s",
+                               state.rank, step, reason)
+                return True
+            self._deltasync_writing = None
+            return state.revert(step, reason)
+        except Exception:  # noqa: BLE001 - answered, never raised (see deltasync_apply)
+            logger.exception("deltasync revert step=%d failed", step)
+            with contextlib.suppress(Exception):
+                self._deltasync_state().reset(f"{reason}; the revert failed")
+            return False
 
     def deltasync_reset(self, reason: str) -> None:
-        """Forget the applied version (the next step is reached through an anchor)."""
-        self._deltasync_state().reset(reason)
+        """Forget the applied version (the next step is reached through an anchor). Never
+        raises (logged)."""
+        try:
+            self._deltasync_writing = None
+            self._deltasync_state().reset(reason)
+        except Exception:  # noqa: BLE001 - the engine core sends it again while it holds
+            logger.exception("deltasync reset failed")
+
+    def _deltasync_writing_step(self) -> int | None:
+        """The step whose apply started on this rank and never answered (it escaped, or the
+        failpoint said so): the weights may be half written."""
+        return getattr(self, "_deltasync_writing", None)
 
     def deltasync_trace(self, last: int | None = None) -> list[tuple[int, int, int, int]]:
         """Recent model steps on this rank: (n, version at start, version at end, tokens)."""
@@ -238,6 +300,37 @@ class DeltaSyncExtension:
             raise ApplyError(f"no safetensors checkpoint at {path!r}")
         return {n: checkpoint_digest(state.shardmap, n, tensors[n])
                 for n in digest_names(state, names) if n in tensors}
+
+
+_rpc_failpoints_fired: set[str] = set()
+
+
+def _apply_rpc_failpoint(ext: Any, rank: int, step: int) -> None:
+    """Test-only (:data:`~vllm_deltasync.server.engine.coordinator.FAIL_APPLY_RPC_ENV`):
+    raise out of ``deltasync_apply`` on that rank and step, before anything is written, once
+    per process; ``dirty``: as if the rank had failed mid-write without putting back."""
+    spec = os.environ.get(FAIL_APPLY_RPC_ENV)
+    if not spec:
+        return
+    for entry in spec.split(","):
+        parts = entry.strip().split(":")
+        if entry in _rpc_failpoints_fired or (int(parts[0]), int(parts[1])) != (rank, step):
+            continue
+        _rpc_failpoints_fired.add(entry)
+        if parts[2:] == ["dirty"]:
+            ext._deltasync_writing = step
+        raise RuntimeError(f"failpoint {FAIL_APPLY_RPC_ENV}: rank {rank}'s deltasync_apply of "
+                           f"step {step} raises out of the RPC")
+
+
+def _holds(state: RankState, before: dict[str, Any]) -> bool:
+    """The rank's applied step (and identity, where both are known) is ``before``'s."""
+    step, manifest = state.sync.applied
+    if step != before.get("applied_step"):
+        return False
+    mine = getattr(manifest, "identity", None)
+    theirs = before.get("applied_id")
+    return mine is None or theirs is None or mine == theirs
 
 
 # ------------------------------------------------------------------ worker side, vLLM glue

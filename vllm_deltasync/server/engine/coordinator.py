@@ -5,6 +5,28 @@ plugin calls :meth:`Coordinator.tick` when the private wake-up it queued is hand
 to the ranks only through ``engine.collective_rpc``, which every worker executes in order with
 ``execute_model``: an apply broadcast between two steps lands on all ranks between the same two
 model steps. No vLLM import here; the engine object and vLLM's ``PauseState`` are passed in.
+
+A switch is one unit whatever fails (:meth:`Coordinator._switch`). From the first
+``deltasync_apply`` reaching a rank to the commit, any failure (a rank's answer, the apply
+broadcast itself raising or timing out, the engine core's own steps) is taken back on every
+rank before the next batch (``deltasync_revert``), or, when some rank cannot take it back or
+the revert broadcast fails too, the engine holds (:meth:`Coordinator._hold`): no batch is
+scheduled, the weight version is ``inconsistent``, ``/synced`` answers 503 with the reason,
+every rank resyncs through the newest anchor, and scheduling resumes only after a switch that
+every rank applied and every rank then reports (same applied step and identity).
+
+The commit broadcast comes after the weights, the prefix cache and the version label all are
+the new step: it only drops the ranks' undo. If it fails, the switch stands (nothing is taken
+back: every rank wrote the step and the label says so); the ranks that did not commit report a
+``pending_switch``, the next ticks send the commit again (it is idempotent: a rank without that
+pending switch answers False), and no switch starts while any rank reports a pending switch. A
+pending switch the coordinator did not leave (someone called ``deltasync_apply`` by hand)
+holds the engine: it cannot tell what the weights are.
+
+The ranks' switch RPCs never raise on purpose (they answer the failure): vLLM's multiprocessing
+executor stops reading answers at the first rank whose RPC raised, and the later ranks' answers
+would then be read by the next broadcast. Answers are checked for their shape and rank, so a
+misplaced answer counts as a failure, never as a success.
 """
 
 from __future__ import annotations
@@ -34,6 +56,17 @@ FAIL_SWITCH_ENV = "DELTASYNC_TEST_FAIL_SWITCH"
 applied it and before the prefix-cache reset (once per process), then the next ``ticks`` ticks
 raise at their start (a fault that persists). Not a setting: never set it in production."""
 
+FAIL_APPLY_RPC_ENV = "DELTASYNC_TEST_FAIL_APPLY_RPC"
+"""Test-only failpoint, ``"<rank>:<step>[:dirty]"`` (several separated by commas, each fires
+once per process): that rank's ``deltasync_apply`` of that step raises out of the RPC before
+writing anything, so the engine core's apply broadcast itself raises while the other ranks
+wrote the step. ``dirty``: the rank also behaves as if it had failed mid-write without putting
+back (its ``deltasync_revert`` then resets and answers False, so the engine holds). Read by the
+worker (``server/extension.py``). It raises an ``Exception``: vLLM's worker turns that into a
+failed RPC, while any other ``BaseException`` ends the worker process. Use the last rank: vLLM's
+multiprocessing executor stops reading answers at the first failed rank. Not a setting: never
+set it in production."""
+
 SWITCH_EVERY_STEPS_ENV = "DELTASYNC_TEST_SWITCH_EVERY_STEPS"
 """Test-only, ``"<n>"``: switches start only from a tick the engine runs after every ``n``
 model steps, never from the timer (which keeps reading status and finishing drains), so a
@@ -62,17 +95,51 @@ class _Failpoint:
             raise RuntimeError(f"failpoint {FAIL_SWITCH_ENV}: the tick fails (a persistent fault)")
 
 
-def common_ready_step(statuses: Sequence[Mapping[str, Any]]) -> int | None:
-    """The newest step every rank has staged on top of the same applied step, or None."""
-    if not statuses or len({s.get("applied_step") for s in statuses}) != 1:
+class SwitchHeld(RuntimeError):
+    """Why the engine holds scheduling (``/synced`` and the coordinator failure counter)."""
+
+
+class SwitchFailed(RuntimeError):
+    """A switch failed in the engine core or its apply broadcast (taken back, or held)."""
+
+
+class CommitFailed(RuntimeError):
+    """The commit broadcast of a switch that stands failed (retried at the next tick)."""
+
+
+def _fatal(exc: BaseException) -> bool:
+    """The engine core is going down (signal, interpreter exit): nothing more to send."""
+    return isinstance(exc, (KeyboardInterrupt, SystemExit))
+
+
+def _ready_pairs(status: Mapping[str, Any]) -> list[tuple[Any, Any]]:
+    """(step, identity) of each ready step; identity None where the rank reports none."""
+    steps = list(status.get("ready_steps") or ())
+    ids: list[Any] = list(status.get("ready_ids") or ())[:len(steps)]
+    ids += [None] * (len(steps) - len(ids))
+    return list(zip(steps, ids, strict=True))
+
+
+def common_ready(statuses: Sequence[Mapping[str, Any]]) -> tuple[int, str | None] | None:
+    """The newest (step, identity) every rank has staged on top of the same applied step, or
+    None. Identity-aware: the ranks must report the same ``applied_step`` and ``applied_id``,
+    and the same (step, id) pairs (``ready_steps`` / ``ready_ids``) in order, up to the step.
+    A status without those keys (an older rank) counts as identity None, i.e. steps only."""
+    if not statuses or len({(s.get("applied_step"), s.get("applied_id"))
+                            for s in statuses}) != 1:
         return None
-    lists = [list(s.get("ready_steps") or ()) for s in statuses]
-    common: int | None = None
-    for steps in zip(*lists, strict=False):
-        if len(set(steps)) != 1:
+    common: tuple[int, str | None] | None = None
+    for pairs in zip(*(_ready_pairs(s) for s in statuses), strict=False):
+        if len(set(pairs)) != 1:
             break
-        common = steps[0]
+        common = (int(pairs[0][0]), pairs[0][1])
     return common
+
+
+def common_ready_step(statuses: Sequence[Mapping[str, Any]]) -> int | None:
+    """The step of :func:`common_ready`, or None."""
+    found = common_ready(statuses)
+    return None if found is None else found[0]
 
 
 class Coordinator:
@@ -94,7 +161,12 @@ class Coordinator:
         self._timer: threading.Thread | None = None
         self._drain_since: float | None = None
         self._paused_by_us = False
-        self._held_after_failure = False
+        self.held: str | None = None
+        """Why scheduling is held (:meth:`_hold`), None when it is not."""
+        self.holds: collections.deque[dict[str, Any]] = collections.deque(maxlen=64)
+        """Every hold: when, why, and when and at which step it was released."""
+        self._last_switched: int | None = None
+        """The step of the last switch that stands (its commit may still be pending)."""
         self.failed_ticks = 0
         """Consecutive ticks that raised (0 after a good one)."""
         self._logged_error: str | None = None
@@ -201,6 +273,7 @@ class Coordinator:
         """Busy-loop thread, between scheduler steps. Never raises: a failed tick is counted
         (``deltasync_coordinator_failures_total``), logged with its traceback once per distinct
         error, and after :data:`FAILING_AFTER` in a row the coordinator reports itself failing.
+        While the engine holds (:meth:`_hold`) it reports itself failing whatever the ticks do.
         """
         if not self.active:
             return
@@ -209,11 +282,13 @@ class Coordinator:
             self._failpoint.at_tick()
             self._tick(may_switch=from_steps or not self._switch_every
                        or self._drain_since is not None)
-        except Exception as exc:  # noqa: BLE001 - never take the engine down
+        except BaseException as exc:  # noqa: BLE001 - never take the engine down
+            if _fatal(exc):
+                raise
             self._tick_failed(exc)
         else:
             self.failed_ticks = 0
-            self.metrics.coordinator_state(failing=False)
+            self.metrics.coordinator_state(failing=self.held is not None)
 
     def tick_if_due(self) -> None:
         """A tick, unless one ran less than ``poll_interval_s`` ago (the in-process engine
@@ -230,11 +305,14 @@ class Coordinator:
             self._model_steps = 0
             self.tick(from_steps=True)
 
+
     def _tick_failed(self, exc: BaseException) -> None:
         self.failed_ticks += 1
         self.last_error = f"{type(exc).__name__}: {exc}"
-        failing = self.failed_ticks >= FAILING_AFTER
-        self.metrics.coordinator_state(failing=failing, error=exc)
+        failing = self.failed_ticks >= FAILING_AFTER or self.held is not None
+        error = exc if self.held is None else SwitchHeld(
+            f"{self.held}; a tick failed while holding: {self.last_error}")
+        self.metrics.coordinator_state(failing=failing, error=error)
         if self.last_error != self._logged_error:
             self._logged_error = self.last_error
             trace = redact_text("".join(traceback.format_exception(exc)))
@@ -247,19 +325,26 @@ class Coordinator:
         a tick notices a reload before any request is served under the old label."""
         self.tick()
 
+
     def _tick(self, *, may_switch: bool) -> None:
         self.statuses = list(self.engine.collective_rpc("deltasync_status"))
         self.metrics.update(self.statuses)
         self._check_reloads()
-        step = common_ready_step(self.statuses)
-        if step is None:
+        if not self.active:
+            return
+        if self.held is not None and self._resync_held():
+            return
+        if self._settle_pending():
+            return
+        found = common_ready(self.statuses)
+        if found is None:
             self._release_drain()
             return
         if not may_switch:
             return
         if self.config.in_flight == "drain" and not self._drained():
             return
-        self._switch(step)
+        self._switch(*found)
 
     def _check_reloads(self) -> None:
         """A rank saw its weights written behind our back (vLLM's ``reload_weights``): it
@@ -304,22 +389,54 @@ class Coordinator:
             return True
         return False
 
+
     def _release_drain(self) -> None:
         self._drain_since = None
         if self._paused_by_us:
-            self.engine.scheduler.set_pause_state(self._pause.UNPAUSED)
             self._paused_by_us = False
+            if self.held is None:  # a hold keeps everything paused until it is released
+                self.engine.scheduler.set_pause_state(self._pause.UNPAUSED)
 
-    def _switch(self, step: int) -> None:
-        """One unit: every rank applies, the prefix cache is reset, the weight version is set,
-        every rank commits. If anything after the ranks' apply fails, the switch is taken back
-        on every rank (:meth:`_take_back`) and the error propagates to :meth:`tick`."""
+    # -------------------------------------------------------------------- switch
+    def _switch(self, step: int, identity: str | None = None) -> None:
+        """One unit: every rank applies ``step`` (the manifest ``identity``), the prefix cache
+        is reset, the weight version is set, every rank commits.
+
+        Anything that fails between the first ``deltasync_apply`` reaching a rank and the
+        commit is taken back on every rank before the next batch, or the engine holds:
+
+        * some rank answers a failure: :meth:`_take_back` (only if every failed rank put its
+          weights back; else :meth:`_hold`);
+        * the apply broadcast itself raises (an RPC timeout, a rank whose RPC raised): nobody
+          knows which ranks wrote, so every rank is asked to revert; a rank holding the pending
+          switch puts it back, a rank that never wrote and still holds ``before`` keeps it, any
+          other rank resets and answers False (then :meth:`_hold`). The error propagates to
+          :meth:`tick` (counted);
+        * the engine core's own steps raise: the same revert, and the error propagates.
+
+        The commit only drops the ranks' undo, after the weights and the label are the new
+        step: if it fails the switch stands (:meth:`_commit`). A switch that succeeds while
+        the engine holds releases the hold once every rank reports that step
+        (:meth:`_release_hold`).
+        """
+        before = {"applied_step": self.statuses[0].get("applied_step") if self.statuses else None,
+                  "applied_id": self.statuses[0].get("applied_id") if self.statuses else None}
         started = time.perf_counter()
-        results = list(self.engine.collective_rpc("deltasync_apply", args=(step,)))
+        try:
+            results = list(self.engine.collective_rpc("deltasync_apply", args=(step, identity)))
+        except BaseException as exc:
+            if _fatal(exc):
+                raise
+            reason = (f"step {step}: the apply broadcast failed, so no rank is known to have "
+                      f"applied it or not: {type(exc).__name__}: {exc}")
+            self._take_back(step, reason, before)
+            raise SwitchFailed(reason) from exc
         pause_s = time.perf_counter() - started
-        failed = [r for r in results if not r.get("ok")]
+        failed = self._failed_applies(step, results)
         if failed:
-            self._after_failure(step, failed)
+            self._take_back(step, f"step {step}: " + "; ".join(
+                f"rank {r.get('rank')}: {r.get('error')}" for r in failed), before,
+                revertible=all(r.get("reverted") is True for r in failed))
             return
         try:
             self._failpoint.at_switch(step)
@@ -327,18 +444,21 @@ class Coordinator:
                 self.engine.reset_prefix_cache(reset_running_requests=True)
             self.engine.set_weight_version(str(step))
             self._label = str(step)
-        except Exception as exc:
-            self._take_back(step, f"step {step}: the engine core failed the switch after the "
-                                  f"ranks applied it: {type(exc).__name__}: {exc}")
-            raise
-        self.engine.collective_rpc("deltasync_commit", args=(step,))
-        if self._held_after_failure:
-            self.engine.scheduler.set_pause_state(self._pause.UNPAUSED)
-            self._held_after_failure = False
+        except BaseException as exc:
+            if _fatal(exc):
+                raise
+            reason = (f"step {step}: the engine core failed the switch after the ranks "
+                      f"applied it: {type(exc).__name__}: {exc}")
+            self._take_back(step, reason, before)
+            raise SwitchFailed(reason) from exc
+        self._last_switched = step
+        commit_error = self._commit(step)
+        if self.held is not None:
+            self._release_hold(step)
         self._release_drain()
         self.metrics.observe_switch(step, pause_s)
         self.last_error = None
-        record = {"step": step, "pause_s": pause_s, "at": time.time(),
+        record = {"step": step, "identity": identity, "pause_s": pause_s, "at": time.time(),
                   "steps": results[0].get("steps"), "kinds": results[0].get("kinds"),
                   "apply_s": [r.get("apply_s") for r in results],
                   "repack_s": [r.get("repack_s") for r in results],
@@ -347,60 +467,169 @@ class Coordinator:
         self.switches.append(record)
         logger.info("deltasync switched step=%d ranks=%d pause=%.4fs", step, len(results),
                     pause_s)
+        if commit_error is not None:
+            raise CommitFailed(commit_error)
 
-    def _take_back(self, step: int, reason: str) -> None:
-        """Every rank applied ``step`` but the switch cannot complete: every rank reverts it
-        before any batch runs, and the version label stays what the weights are again. When
-        some rank cannot, hold (:meth:`_hold`)."""
-        self.last_error = reason
-        back = list(self.engine.collective_rpc("deltasync_revert", args=(step, reason)))
-        if back and all(back):
-            if self.config.reset_prefix_cache:  # it may have run half-way: start clean
-                self.engine.reset_prefix_cache(reset_running_requests=True)
-            logger.error("deltasync switch to step %d taken back on every rank; serving "
-                         "version %s: %s", step, self.engine.get_weight_version(), reason)
-            self._release_drain()
-            return
-        self.last_error += "; ranks " + ", ".join(
-            str(i) for i, ok in enumerate(back) if not ok) + " could not take it back"
+    def _failed_applies(self, step: int, results: Sequence[Any]) -> list[Mapping[str, Any]]:
+        """The failed answers to ``deltasync_apply``; an answer of the wrong shape or from the
+        wrong rank (a late answer to an earlier broadcast) or a missing one is a failure whose
+        rank did not put anything back."""
+        failed: list[Mapping[str, Any]] = []
+        ranks = max(len(self.statuses), len(results))
+        for i in range(ranks):
+            r = results[i] if i < len(results) else None
+            want = self.statuses[i].get("rank", i) if i < len(self.statuses) else i
+            if not isinstance(r, Mapping) or "ok" not in r or r.get("rank", want) != want:
+                failed.append({"rank": want, "reverted": False,
+                               "error": f"no answer to deltasync_apply({step}) (got "
+                                        f"{type(r).__name__})"})
+            elif r.get("ok") is not True:
+                failed.append(r)
+        return failed
+
+    def _commit(self, step: int) -> str | None:
+        """Every rank drops the undo of the switch to ``step``; the reason when that failed.
+
+        The switch stands either way (every rank wrote it, the label is set). A rank that did
+        not commit keeps reporting ``pending_switch``; :meth:`_settle_pending` sends the commit
+        again at the next ticks (idempotent) and starts no switch until no rank reports one."""
+        try:
+            answers = list(self.engine.collective_rpc("deltasync_commit", args=(step,)))
+        except Exception as exc:  # noqa: BLE001 - the switch stands; the commit is retried
+            error = f"{type(exc).__name__}: {exc}"
+        else:
+            bad = [i for i, a in enumerate(answers) if not isinstance(a, bool)]
+            if not bad and len(answers) >= len(self.statuses):
+                return None
+            error = f"ranks {bad or 'missing'} did not answer the commit"
+        reason = (f"step {step}: the commit broadcast failed ({error}); the switch stands (every "
+                  "rank applied it, the label is set); the commit is sent again at the next tick")
+        logger.error("deltasync %s", reason)
+        return reason
+
+    def _settle_pending(self) -> bool:
+        """True when some rank reports a pending switch: the last switch's commit is sent again
+        (no switch starts until no rank has one); any other pending switch holds the engine."""
+        pending = {s.get("pending_switch") for s in self.statuses} - {None}
+        if not pending:
+            return False
+        if pending == {self._last_switched}:
+            step = self._last_switched
+            answers = list(self.engine.collective_rpc("deltasync_commit", args=(step,)))
+            logger.warning("deltasync: commit of step %s sent again (answers %s)", step, answers)
+            return True
+        self.last_error = ("ranks " + ", ".join(
+            str(s.get("rank", i)) for i, s in enumerate(self.statuses)
+            if s.get("pending_switch") is not None)
+            + f" hold a pending switch to step(s) {sorted(pending, key=str)} that no switch of this "
+              "coordinator left: the weights are unknown")
         self._hold()
+        return True
 
-    def _after_failure(self, step: int, failed: list[Mapping[str, Any]]) -> None:
-        """Some rank could not apply ``step``: take the switch back on every rank, or hold.
-
-        A rank whose apply fails puts back what it wrote (``reverted``); the ranks that
-        succeeded are asked to take their switch back too (``deltasync_revert``). No batch ran
-        in between, so when every rank managed it the engine holds the previous step bit for
-        bit, prefix cache included, and goes on serving it; the ranks then wait for an anchor
-        newer than the failed step. Only when some rank cannot put its weights back (an
-        anchor was half written, or the revert failed) is scheduling held until an anchor
-        applies everywhere (:meth:`_hold`).
-        """
-        self.last_error = f"step {step}: " + "; ".join(
-            f"rank {r.get('rank')}: {r.get('error')}" for r in failed)
-        if all(r.get("reverted") for r in failed):
-            back = list(self.engine.collective_rpc("deltasync_revert",
-                                                   args=(step, self.last_error)))
-            if all(back):
-                logger.error("deltasync switch to step %d failed and was taken back on every "
-                             "rank; serving version %s until a newer anchor applies: %s", step,
-                             self.engine.get_weight_version(), self.last_error)
-                self._release_drain()
-                return
-            self.last_error += "; ranks " + ", ".join(
-                str(i) for i, ok in enumerate(back) if not ok) + " could not take it back"
+    def _take_back(self, step: int, reason: str, before: Mapping[str, Any], *,
+                   revertible: bool = True) -> None:
+        """The switch to ``step`` cannot complete: every rank takes it back before any batch
+        runs, and the version label stays what the weights are again (``before``: the applied
+        step and identity every rank held before the switch). ``revertible`` False: some rank
+        already could not put its weights back. When some rank cannot, or the revert
+        broadcast fails, hold (:meth:`_hold`)."""
+        self.last_error = reason
+        if revertible:
+            try:
+                back = list(self.engine.collective_rpc("deltasync_revert",
+                                                       args=(step, reason, dict(before))))
+            except BaseException as exc:
+                if _fatal(exc):
+                    raise
+                self.last_error += (f"; the revert broadcast failed too: "
+                                    f"{type(exc).__name__}: {exc}")
+            else:
+                if back and len(back) >= len(self.statuses) and all(ok is True for ok in back):
+                    if self.config.reset_prefix_cache:  # it may have run half-way: start clean
+                        self.engine.reset_prefix_cache(reset_running_requests=True)
+                    logger.error("deltasync switch to step %d taken back on every rank; serving "
+                                 "version %s until a newer anchor applies: %s", step,
+                                 self.engine.get_weight_version(), reason)
+                    self._release_drain()
+                    return
+                self.last_error += "; ranks " + ", ".join(
+                    str(i) for i, ok in enumerate(back) if ok is not True) + " could not take it back"
         self._hold()
 
     def _hold(self) -> None:
-        """The ranks' weights are not one version: hold scheduling, resync through an anchor."""
-        logger.error("deltasync switch failed, holding requests until an anchor applies: %s",
-                     self.last_error)
-        self.engine.reset_prefix_cache(reset_running_requests=True)
-        self.engine.collective_rpc("deltasync_reset", args=(self.last_error,))
+        """The ranks' weights are not one version: no batch is scheduled (``PAUSED_ALL``,
+        first, so that nothing runs on mixed weights whatever fails next), the weight version
+        is ``inconsistent``, ``/synced`` answers 503 with the reason, the prefix cache is
+        dropped and every rank forgets its applied step, to resync through the newest anchor.
+
+        Released by :meth:`_release_hold` after a switch every rank applied and then reports.
+        Until then every tick keeps scheduling paused and sends ``deltasync_reset`` again to
+        any rank still reporting an applied step or a pending switch (:meth:`_resync_held`),
+        so a reset that did not reach a rank cannot keep the engine held for ever, and no
+        switch starts from a step that is not an anchor on every rank."""
+        reason = self.last_error or "the ranks' weights are not one version"
+        self.held = reason
+        self.engine.scheduler.set_pause_state(self._pause.PAUSED_ALL)
+        self._drain_since, self._paused_by_us = None, False  # the hold owns the pause now
+        logger.error("deltasync: the ranks' weights are not one version; holding all requests "
+                     "(weight version 'inconsistent') until every rank applied the newest "
+                     "anchor: %s", reason)
+        self.holds.append({"at": time.time(), "reason": reason, "released_at": None,
+                           "released_step": None})
         self.engine.set_weight_version("inconsistent")
         self._label = None
-        self.engine.scheduler.set_pause_state(self._pause.PAUSED_ALL)
-        self._held_after_failure = True
+        self.metrics.coordinator_state(failing=True, error=SwitchHeld(reason))
+        try:
+            self.engine.reset_prefix_cache(reset_running_requests=True)
+            self.engine.collective_rpc("deltasync_reset", args=(reason,))
+        except Exception as exc:  # noqa: BLE001 - sent again at the next ticks (_resync_held)
+            logger.error("deltasync: resetting the ranks failed (sent again at the next tick): "
+                         "%s: %s", type(exc).__name__, exc)
+
+    def _resync_held(self) -> bool:
+        """While held: scheduling stays paused; True (no switch this tick) while some rank
+        still reports an applied step or a pending switch, which is sent ``deltasync_reset``
+        again. Once every rank forgot its step, the next switch starts from an anchor."""
+        sched = self.engine.scheduler
+        if sched.pause_state != self._pause.PAUSED_ALL:
+            sched.set_pause_state(self._pause.PAUSED_ALL)
+        stale = [s.get("rank", i) for i, s in enumerate(self.statuses)
+                 if s.get("applied_step") is not None or s.get("pending_switch") is not None]
+        if not stale:
+            return False
+        assert self.held is not None
+        logger.warning("deltasync: holding; ranks %s still report a step, resetting them", stale)
+        self.engine.reset_prefix_cache(reset_running_requests=True)
+        self.engine.collective_rpc("deltasync_reset", args=(self.held,))
+        return True
+
+    def _release_hold(self, step: int) -> None:
+        """A switch to ``step`` applied on every rank while held: resume scheduling once every
+        rank reports ``step`` with one identity and no pending switch but the commit's. Else
+        stay held (the next ticks reset the ranks and go through an anchor again)."""
+        try:
+            statuses = list(self.engine.collective_rpc("deltasync_status"))
+        except Exception as exc:  # noqa: BLE001 - stay held; the next tick resets the ranks
+            logger.error("deltasync: still holding, the ranks' status after the switch to step "
+                         "%d could not be read: %s: %s", step, type(exc).__name__, exc)
+            return
+        applied = {(s.get("applied_step"), s.get("applied_id")) for s in statuses
+                   if isinstance(s, Mapping)}
+        pending = {s.get("pending_switch") for s in statuses if isinstance(s, Mapping)} - {None}
+        if (len(statuses) < len(self.statuses) or len(applied) != 1
+                or next(iter(applied))[0] != step or not pending <= {step}):
+            logger.error("deltasync: still holding, the ranks report %s after the switch to step "
+                         "%d", sorted(applied, key=str), step)
+            return
+        self.statuses = statuses
+        self.engine.reset_prefix_cache(reset_running_requests=True)
+        self.engine.scheduler.set_pause_state(self._pause.UNPAUSED)
+        logger.warning("deltasync: every rank applied step %d; scheduling resumes (was held: "
+                       "%s)", step, self.held)
+        self.held = None
+        if self.holds:
+            self.holds[-1].update(released_at=time.time(), released_step=step)
+        self.metrics.coordinator_state(failing=self.failed_ticks >= FAILING_AFTER)
 
     def engine_status(self) -> dict[str, Any]:
         """What the engine core knows (``call_utility("deltasync_engine_status")``)."""
@@ -410,14 +639,17 @@ class Coordinator:
             "switches": list(self.switches),
             "last_error": self.last_error,
             "failed_ticks": self.failed_ticks,
-            "failing": self.failed_ticks >= FAILING_AFTER,
+            "failing": self.failed_ticks >= FAILING_AFTER or self.held is not None,
+            "held": self.held,
+            "holds": list(self.holds),
             "reloads": self._reloads,
-            "ranks": [{k: s.get(k) for k in ("rank", "applied_step", "staged_step",
-                                             "newest_step", "last_error", "reloads")}
+            "ranks": [{k: s.get(k) for k in ("rank", "applied_step", "applied_id", "staged_step",
+                                             "newest_step", "pending_switch", "last_error",
+                                             "reloads")}
                       for s in self.statuses],
             "metrics_port": self.server.port if self.server is not None else None,
         }
 
 
-__all__ = ["FAILING_AFTER", "FAIL_SWITCH_ENV", "SWITCH_EVERY_STEPS_ENV", "Coordinator",
-           "common_ready_step"]
+__all__ = ["FAILING_AFTER", "FAIL_APPLY_RPC_ENV", "FAIL_SWITCH_ENV", "SWITCH_EVERY_STEPS_ENV",
+           "CommitFailed", "Coordinator", "SwitchFailed", "SwitchHeld", "common_ready", "common_ready_step"]
