@@ -34,7 +34,14 @@ from vllm_deltasync.format.codec import TensorPatch
 from vllm_deltasync.format.codecs import decode_chunk
 from vllm_deltasync.format.coverage import SparseOrder, check_manifest
 from vllm_deltasync.format.layout import MANIFEST_DIR, manifest_path, parse_manifest_path
-from vllm_deltasync.format.manifest import Chunk, FileEntry, Manifest, TensorEntry, merge_ranges
+from vllm_deltasync.format.manifest import (
+    MAX_MANIFEST_BYTES,
+    Chunk,
+    FileEntry,
+    Manifest,
+    TensorEntry,
+    merge_ranges,
+)
 from vllm_deltasync.stores import Store, open_store
 
 _MANIFEST_CACHE = 256
@@ -146,7 +153,7 @@ class BucketReader:
         path = manifest_path(step)
         source = f"{self.store.url}/{path}"
         try:
-            m = Manifest.from_json(await self.store.read(path), source=source)
+            m = Manifest.from_json(await self.store.read(path, max_bytes=MAX_MANIFEST_BYTES), source=source)
             if m.step != step:
                 raise FormatError(f"{source}: holds step {m.step}, its name says {step}")
             try:

@@ -8,6 +8,11 @@ a dropped connection never costs a re-download of what arrived.
 
 Large objects are read as ``part_size`` pieces, ``max_parallel_parts`` at a time: object
 stores and CDNs give ~50-100 MB/s per connection, so throughput comes from parallel ranges.
+
+A read with ``max_bytes`` (``Store.read(..., max_bytes=)``, the manifest cap) asks for at most
+``max_bytes + 1`` bytes first, refuses the object when the answer says it is larger, and stops
+a body that brings more than that (a server ignoring ``Range``) while it streams:
+:func:`too_large` is the error, shared with the local and memory stores.
 """
 
 from __future__ import annotations
@@ -17,20 +22,42 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-from vllm_deltasync.errors import TransientStoreError
+from vllm_deltasync.errors import ConfigError, FormatError, TransientStoreError
 from vllm_deltasync.stores._retry import RateGate, RetryPolicy, retry
 
 
+def check_max_bytes(max_bytes: int | None) -> None:
+    """``max_bytes`` of a read is None or an int >= 0 (a ConfigError otherwise)."""
+    if max_bytes is not None and (isinstance(max_bytes, bool) or not isinstance(max_bytes, int)
+                                  or max_bytes < 0):
+        raise ConfigError(f"read max_bytes={max_bytes!r}: use a byte count >= 0, or None for no cap")
+
+
+def too_large(what: str, max_bytes: int, size: int | None = None) -> FormatError:
+    """The refusal of an object larger than the cap of a read (``size`` when it is known)."""
+    found = f"{size} bytes" if size is not None else f"more than {max_bytes} bytes"
+    return FormatError(
+        f"{what}: {found}, over the {max_bytes}-byte cap of this read; refused without reading "
+        "past the cap (not an object this reader accepts: check what wrote it)")
+
+
 class Chunks:
-    """Bytes of one range as they arrive, kept as a list (joined once at the end, no regrowth)."""
+    """Bytes of one range as they arrive, kept as a list (joined once at the end, no regrowth).
 
-    __slots__ = ("parts", "size")
+    With ``limit``, a chunk that takes the total past it raises :func:`too_large` (``what``
+    names the object) and is not kept: the stream is stopped there."""
 
-    def __init__(self) -> None:
+    __slots__ = ("limit", "parts", "size", "what")
+
+    def __init__(self, limit: int | None = None, what: str = "") -> None:
         self.parts: list[bytes] = []
         self.size = 0
+        self.limit = limit
+        self.what = what
 
     def extend(self, chunk: bytes) -> None:
+        if self.limit is not None and self.size + len(chunk) > self.limit:
+            raise too_large(self.what, self.limit)
         self.parts.append(chunk)
         self.size += len(chunk)
 
@@ -64,16 +91,24 @@ class RangedReader:
     max_request_s: float | None = None
     """Longest one request for a part may take, however fast it is; None: no cap."""
 
-    async def read(self, start: int, end: int | None) -> bytes:
+    async def read(self, start: int, end: int | None, max_bytes: int | None = None) -> bytes:
+        """Bytes ``[start, end)``; with ``max_bytes``, :func:`too_large` when there are more
+        (known from the first answer's ``Content-Range``, or while a body streams), having
+        received at most ``max_bytes + 1`` bytes."""
+        check_max_bytes(max_bytes)
         if end is not None and end <= start:
             return b""
-        first_end = start + self.part_size if end is None else min(end, start + self.part_size)
-        first = Chunks()
+        first_len = self.part_size if max_bytes is None else min(self.part_size, max_bytes + 1)
+        first_end = start + first_len if end is None else min(end, start + first_len)
+        first = Chunks(max_bytes, self.what)
         total = await self._part(start, first_end, first)
         if end is None:
             if total is None:  # full body answered (no Content-Range): it is all there
                 return b"".join(first.parts)
             end = total
+        stop = end if total is None else min(end, total)
+        if max_bytes is not None and stop - start > max_bytes:
+            raise too_large(self.what, max_bytes, None if total is None else total - start)
         if end <= start + len(first):
             return b"".join(first.parts)[: max(0, end - start)]
         rest = await self._rest(start + len(first), end)
@@ -149,4 +184,5 @@ def range_header(start: int, end: int | None) -> str:
     return f"bytes={start}-" if end is None else f"bytes={start}-{end - 1}"
 
 
-__all__ = ["Chunks", "FetchRange", "RangedReader", "parse_content_range", "range_header"]
+__all__ = ["Chunks", "FetchRange", "RangedReader", "check_max_bytes", "parse_content_range",
+           "range_header", "too_large"]

@@ -11,7 +11,8 @@ Contract (checked by the conformance suite in ``tests/stores/``):
   ``overwrite=True`` (the format never needs to overwrite).
 * ``list`` is recursive and returns objects sorted by path.
 * ``read`` with ``start``/``end`` returns bytes ``[start, end)``; a missing path raises
-  :class:`NotFoundError`.
+  :class:`NotFoundError`; with ``max_bytes``, a larger range raises :class:`FormatError`
+  without being read past the cap.
 * ``delete`` ignores paths that do not exist.
 * Errors are the classes of :mod:`vllm_deltasync.errors`; only ``TransientStoreError`` (and
   its subclass ``RateLimitedError``) is worth retrying.
@@ -87,8 +88,17 @@ class Store(abc.ABC):
         """The object at ``path``, or None if there is none. Cheap: used to probe for the next step."""
 
     @abc.abstractmethod
-    async def read(self, path: str, start: int = 0, end: int | None = None) -> bytes:
-        """Bytes ``[start, end)`` of the object at ``path`` (to its end when ``end`` is None)."""
+    async def read(
+        self, path: str, start: int = 0, end: int | None = None, *, max_bytes: int | None = None
+    ) -> bytes:
+        """Bytes ``[start, end)`` of the object at ``path`` (to its end when ``end`` is None).
+
+        ``max_bytes``: a cap enforced while reading (the manifest reader passes 64 MiB): when
+        the range holds more, a :class:`~vllm_deltasync.errors.FormatError` naming the path
+        and the cap is raised, and no more than ``max_bytes + 1`` bytes were read or held (a
+        local file's size is checked before reading; a network body is stopped as it
+        streams). Every backend must accept it; a store that wraps another passes it on.
+        """
 
     @abc.abstractmethod
     async def write(self, path: str, data: bytes | memoryview, *, overwrite: bool = False) -> None:

@@ -62,7 +62,13 @@ from vllm_deltasync.stores._hfhttp import (
     parse_sse,
     resolve_token,
 )
-from vllm_deltasync.stores._parts import Chunks, RangedReader, parse_content_range, range_header
+from vllm_deltasync.stores._parts import (
+    Chunks,
+    RangedReader,
+    check_max_bytes,
+    parse_content_range,
+    range_header,
+)
 from vllm_deltasync.stores._retry import (
     RateGate,
     RetryPolicy,
@@ -419,15 +425,20 @@ class HfStore(Store):
         size = headers.get("X-Linked-Size") or headers.get("Content-Length") or "0"
         return ObjectInfo(path, _size(size, path), headers.get("X-Xet-Hash"))
 
-    async def read(self, path: str, start: int = 0, end: int | None = None) -> bytes:
+    async def read(
+        self, path: str, start: int = 0, end: int | None = None, *, max_bytes: int | None = None
+    ) -> bytes:
         what = f"{self.url}/{path}"
         try:
-            return await self._read(path, start, end, what)
+            return await self._read(path, start, end, what, max_bytes)
         except Exception:
             self._located.pop(path, None)  # a failed read resolves again next time
             raise
 
-    async def _read(self, path: str, start: int, end: int | None, what: str) -> bytes:
+    async def _read(
+        self, path: str, start: int, end: int | None, what: str, max_bytes: int | None
+    ) -> bytes:
+        check_max_bytes(max_bytes)
         cdn = await self._locate(path, what)
         reader = RangedReader(
             fetch=lambda a, b, buf: self._fetch(cdn, a, b, buf, what),
@@ -441,7 +452,7 @@ class HfStore(Store):
             rate_window_s=self.options.rate_window_s,
             max_request_s=self.options.max_request_s,
         )
-        data = await reader.read(start, end)
+        data = await reader.read(start, end, max_bytes)
         self.stats.bytes_read += len(data)
         return data
 

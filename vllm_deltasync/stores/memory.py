@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from vllm_deltasync.errors import AlreadyExistsError, ConfigError, NotFoundError
+from vllm_deltasync.stores._parts import check_max_bytes, too_large
 from vllm_deltasync.stores.base import ObjectInfo, Store, check_path
 
 _BUCKETS: dict[str, dict[str, bytes]] = {}
@@ -59,12 +60,19 @@ class MemoryStore(Store):
         self.stats.count("stat", "ok" if data is not None else "not_found")
         return None if data is None else ObjectInfo(path, len(data))
 
-    async def read(self, path: str, start: int = 0, end: int | None = None) -> bytes:
+    async def read(
+        self, path: str, start: int = 0, end: int | None = None, *, max_bytes: int | None = None
+    ) -> bytes:
+        check_max_bytes(max_bytes)
         with _LOCK:
             data = self._objects.get(check_path(path))
         if data is None:
             self.stats.count("read", "not_found")
             raise NotFoundError(f"{self.url}/{path}: no such object")
+        size = len(range(len(data))[start:end])  # the slice's length, before copying it
+        if max_bytes is not None and size > max_bytes:
+            self.stats.count("read", "error")
+            raise too_large(f"{self.url}/{path}", max_bytes, size)
         out = data[start:end]
         self.stats.count("read", "ok")
         self.stats.bytes_read += len(out)

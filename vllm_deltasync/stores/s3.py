@@ -29,9 +29,21 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vllm_deltasync._urls import redact_url
-from vllm_deltasync.errors import AlreadyExistsError, ConfigError, NotFoundError, StoreError
+from vllm_deltasync.errors import (
+    AlreadyExistsError,
+    ConfigError,
+    DeltaSyncError,
+    NotFoundError,
+    StoreError,
+)
 from vllm_deltasync.stores import _options
-from vllm_deltasync.stores._parts import Chunks, RangedReader, parse_content_range, range_header
+from vllm_deltasync.stores._parts import (
+    Chunks,
+    RangedReader,
+    check_max_bytes,
+    parse_content_range,
+    range_header,
+)
 from vllm_deltasync.stores._retry import RetryPolicy, retry
 from vllm_deltasync.stores._s3errors import s3_error
 from vllm_deltasync.stores.base import ObjectInfo, Store, check_path
@@ -322,8 +334,11 @@ class S3Store(Store):
             return None
         return ObjectInfo(path, int(head["ContentLength"]), head.get("ETag"))
 
-    async def read(self, path: str, start: int = 0, end: int | None = None) -> bytes:
+    async def read(
+        self, path: str, start: int = 0, end: int | None = None, *, max_bytes: int | None = None
+    ) -> bytes:
         what = f"{self.url}/{path}"
+        check_max_bytes(max_bytes)
         reader = RangedReader(
             fetch=lambda a, b, buf: self._fetch(path, a, b, buf, what),
             what=what,
@@ -335,7 +350,7 @@ class S3Store(Store):
             rate_window_s=self.options.rate_window_s,
             max_request_s=self.options.max_request_s,
         )
-        data = await reader.read(start, end)
+        data = await reader.read(start, end, max_bytes)
         self.stats.bytes_read += len(data)
         return data
 
@@ -357,7 +372,9 @@ class S3Store(Store):
         try:
             async with resp["Body"] as body:
                 async for chunk in body.iter_chunks(1 << 18):
-                    buf.extend(chunk)
+                    buf.extend(chunk)  # over the read's max_bytes: FormatError, stream stopped
+        except DeltaSyncError:
+            raise
         except Exception as exc:
             raise s3_error(exc, f"{what}: body cut after {len(buf)} bytes") from exc
         return parse_content_range(resp.get("ContentRange"))
