@@ -21,7 +21,7 @@ import pytest
 from aiohttp import web
 
 from tests.format.conftest import Trainer, publish_run, reindex
-from vllm_deltasync.format.manifest import dump_document, load_document
+from vllm_deltasync.format.manifest import dump_document, load_document, manifest_identity
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -117,8 +117,23 @@ def manifest_doc(root: Path, step: int) -> dict[str, Any]:
 
 
 def write_doc(root: Path, step: int, doc: dict[str, Any] | bytes) -> None:
+    """Rewrite step ``step``'s manifest as a hostile publisher would: the deltas computed
+    from it are re-linked (their ``base_id`` names the new bytes, and so on down the chain),
+    so the defect under test is what the reader must find, not the rewritten identity."""
+    path = root / "manifests" / f"{step:012d}.json"
     data = doc if isinstance(doc, bytes) else dump_document(doc)
-    (root / "manifests" / f"{step:012d}.json").write_bytes(data)
+    old = manifest_identity(path.read_bytes()) if path.exists() else None
+    path.write_bytes(data)
+    if old is None:
+        return
+    for later in sorted((root / "manifests").glob("*.json")):
+        try:
+            other = load_document(later.read_bytes())
+        except (ValueError, RecursionError):  # garbage planted by the test itself
+            continue
+        if isinstance(other, dict) and other.get("base_id") == old:
+            other["base_id"] = manifest_identity(data)
+            write_doc(root, int(later.stem), other)
 
 
 def root_of(url: str) -> Path:

@@ -30,6 +30,7 @@ from vllm_deltasync.format.manifest import (
     dump_document,
     fingerprint,
     load_document,
+    manifest_identity,
 )
 from vllm_deltasync.format.reader import BucketReader
 from vllm_deltasync.server.worker.poller import Poller
@@ -271,5 +272,12 @@ def test_delta_chains_never_cross_runs(chain: tuple[str, Any]) -> None:
     doc = _manifest_doc(root, 2)
     doc["run_id"] = "feedfacefeedface"
     _write_doc(root, 2, doc)
+    # the rewritten step 2 is another identity: step 3, computed from the original, refuses it
+    with pytest.raises(FormatError, match="chain was rewritten"):
+        read_full(url, 3)
+    # a delta that names the rewritten step 2 as its base still never crosses runs
+    delta = _manifest_doc(root, 3)
+    delta["base_id"] = manifest_identity((root / "manifests" / f"{2:012d}.json").read_bytes())
+    _write_doc(root, 3, delta)
     with pytest.raises(FormatError, match="never crosses runs"):
         read_full(url, 3)

@@ -20,7 +20,7 @@ import math
 import re
 import zlib
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal, TypeGuard
 
 from vllm_deltasync.errors import FormatError
@@ -50,6 +50,15 @@ MAX_REGION_ROWS = 1 << 23
 MAX_MANIFEST_BYTES = 64 << 20
 """Largest manifest document a reader parses."""
 _BAD_PATH_CHARS = re.compile(r"[\x00-\x1f\x7f\\]")
+_IDENTITY = re.compile(r"sha256:[0-9a-f]{64}")
+
+
+def manifest_identity(data: bytes | memoryview) -> str:
+    """The identity of a committed step: ``"sha256:<hex>"`` of its manifest's bytes exactly as
+    committed (docs/format.md §9). Two steps with one number but different content (a trainer
+    restarted from a checkpoint, a second writer, a wiped bucket) have different identities."""
+    return "sha256:" + hashlib.sha256(data).hexdigest()
+
 
 def fingerprint(params: Iterable[tuple[str, Sequence[int], str]]) -> str:
     """``"sha256:<hex>"`` of the parameter set: sorted ``[name, shape, dtype]`` as compact JSON."""
@@ -207,6 +216,15 @@ class Manifest:
     """v2: the writer token (lowercase hex): one publisher, or every rank of one sharded job."""
     requires: str | None = None
     """v2: the first reader release that reads this manifest, ``"vllm-deltasync>=X.Y.Z"``."""
+    base_id: str | None = None
+    """v2 delta (written since 0.5.0): the identity of the manifest it was computed from
+    (:func:`manifest_identity`); a reader applies the delta only onto exactly that step."""
+    resumed_from: int | None = None
+    """v2 anchor, optional: the training step of the checkpoint a restarted trainer resumed
+    from (informative; readers follow identities, not this number)."""
+    identity: str | None = field(default=None, compare=False)
+    """The identity of this manifest's committed bytes: set by :meth:`from_json` and by the
+    writer once the bytes exist; never part of the document."""
 
     @property
     def path(self) -> str:
@@ -272,7 +290,7 @@ class Manifest:
         try:
             if isinstance(doc, dict) and doc.get("schema_version") == 3 and doc.get("format") == FORMAT_NAME:
                 doc = _expand(doc)
-            return _from_dict(doc)
+            return replace(_from_dict(doc), identity=manifest_identity(data))
         except FormatError as exc:
             raise FormatError(f"{source}: {exc}") from exc
         except (KeyError, TypeError, ValueError, OverflowError, RecursionError) as exc:
@@ -320,6 +338,8 @@ def _to_dict_v2(m: Manifest) -> dict[str, Any]:
         "requires": m.requires or f"vllm-deltasync>={min_reader(m)}",
         "run_id": m.run_id,
         "writer": m.writer,
+        **({"base_id": m.base_id} if m.base_id is not None else {}),
+        **({"resumed_from": m.resumed_from} if m.resumed_from is not None else {}),
         "step": m.step,
         "kind": m.kind,
         "base_step": m.base_step,
@@ -471,8 +491,17 @@ def _from_dict(doc: Any) -> Manifest:
                         schema_version=1)
     run_id, writer, requires = _hex_id(doc, "run_id"), _hex_id(doc, "writer"), _str(doc, "requires")
     _check_file_index(files, tensors)
+    base_id = doc.get("base_id")
+    if base_id is not None and (kind != "delta" or not isinstance(base_id, str)
+                                or not _IDENTITY.fullmatch(base_id)):
+        raise FormatError(f"field 'base_id' must be 'sha256:<64 hex>' on a delta, got "
+                          f"{str(base_id)[:80]!r} on a{'n' if kind == 'anchor' else ''} {kind}")
+    resumed = doc.get("resumed_from")
+    if resumed is not None:
+        resumed = _int(doc, "resumed_from")
     return Manifest(step, kind, base, anchor, float(created), fp, files, tensors, totals,
-                    schema_version=version, run_id=run_id, writer=writer, requires=requires)
+                    schema_version=version, run_id=run_id, writer=writer, requires=requires,
+                    base_id=base_id, resumed_from=resumed)
 
 
 def _too_new(version: Any, requires: Any) -> str:
@@ -693,4 +722,5 @@ __all__ = [
     "TensorEntry",
     "Totals",
     "fingerprint",
+    "manifest_identity",
 ]

@@ -141,9 +141,10 @@ class BucketReader:
         steps = await self.list_steps()
         return steps[-1] if steps else None
 
-    async def manifest(self, step: int) -> Manifest:
-        """The manifest of ``step`` (cached). NotFoundError if not committed, FormatError if bad."""
-        cached = self._manifests.get(step)
+    async def manifest(self, step: int, *, fresh: bool = False) -> Manifest:
+        """The manifest of ``step`` (cached; ``fresh``: read from the bucket again, replacing
+        the cached one). NotFoundError if not committed, FormatError if bad."""
+        cached = None if fresh else self._manifests.get(step)
         if cached is not None:
             self._manifests.move_to_end(step)
             return cached
@@ -172,30 +173,62 @@ class BucketReader:
         return m
 
     # ------------------------------------------------------------------ chains
-    async def plan(self, applied: int | None, target: int | None = None, *,
+    async def plan(self, applied: Manifest | int | None, target: int | None = None, *,
                    max_chain: int = 64) -> list[Manifest]:
         """Manifests to apply in order to go from ``applied`` to ``target`` (newest if None).
 
-        Deltas chaining from ``applied`` when it is on ``target``'s chain within ``max_chain``
-        steps; otherwise ``[anchor, deltas...]`` from the anchor of ``target``'s chain.
-        ``[]`` when up to date. ChainError when no complete chain reaches ``target``.
+        ``applied`` is the manifest the weights hold (identity-aware: docs/format.md §9), a
+        bare step number (tools that hold no weights), or None (unknown weights). Deltas
+        chaining from ``applied`` when it is on ``target``'s chain within ``max_chain`` steps
+        (the same identity, not only the same number); otherwise ``[anchor, deltas...]`` from
+        the anchor of ``target``'s chain. ``[]`` when up to date. ChainError when no complete
+        chain reaches ``target``.
         """
+        at = applied.step if isinstance(applied, Manifest) else applied
         if target is None:
             target = await self.latest_step()
             if target is None:
                 return []
-        if applied == target:
-            return []
         try:
             chain = [await self.manifest(target)]
         except NotFoundError:
             raise ChainError(f"step {target} is not committed in {self.store.url}") from None
+        if at == target and (not isinstance(applied, Manifest) or applied.identity is None
+                             or chain[0].identity == applied.identity):
+            return []
         self._check_fingerprint(chain[0])
         while chain[-1].kind == "delta":
-            if chain[-1].base_step == applied and len(chain) <= max_chain:
+            if (chain[-1].base_step == at and len(chain) <= max_chain
+                    and await self._continues(chain[-1], applied)):
                 break
             chain.append(await self._base_of(chain[-1]))
         return chain[::-1]
+
+    async def _continues(self, m: Manifest, applied: Manifest | int | None) -> bool:
+        """Delta ``m`` applies onto exactly ``applied`` (its base step number): the identity
+        ``m`` names (format v2+ since 0.5.0), else that of its base manifest read from the
+        bucket now, equals the applied one; the chain rules hold across the link."""
+        if not isinstance(applied, Manifest) or applied.identity is None:
+            return True  # a bare number: the caller holds no weights to protect
+        if await self.base_identity(m) != applied.identity:
+            return False
+        self._check_link(m, applied)
+        return True
+
+    async def base_identity(self, m: Manifest) -> str | None:
+        """The identity of the manifest delta ``m`` was computed from: the ``base_id`` it
+        names, or (format 1 and deltas written before 0.5.0) the digest of its base manifest
+        as the bucket holds it now, read again (never from the cache), so a rewritten base is
+        seen. None for an anchor."""
+        if m.kind != "delta" or m.base_step is None:
+            return None
+        if m.base_id is not None:
+            return m.base_id
+        try:
+            return (await self.manifest(m.base_step, fresh=True)).identity
+        except NotFoundError:
+            raise ChainError(f"step {m.step}: its base step {m.base_step} is missing from "
+                             f"{self.store.url}; wait for the next anchor") from None
 
     def _check_fingerprint(self, m: Manifest) -> None:
         if self.fingerprint is not None and m.fingerprint != self.fingerprint:
@@ -210,11 +243,25 @@ class BucketReader:
         assert m.base_step is not None  # a delta always has one (checked by the parser)
         try:
             base = await self.manifest(m.base_step)
+            if m.base_id is not None and base.identity != m.base_id:
+                base = await self.manifest(m.base_step, fresh=True)  # the cached one is stale?
         except NotFoundError:
             raise ChainError(
                 f"step {m.step}: its base step {m.base_step} is missing from {self.store.url}, so no "
                 f"complete chain from anchor {m.anchor_step} reaches it; wait for the next anchor"
             ) from None
+        if m.base_id is not None and base.identity != m.base_id:
+            raise ChainError(
+                f"step {m.step} was computed from a step {m.base_step} ({short_id(m.base_id)}) "
+                f"that is not the step {m.base_step} in {self.store.url} now "
+                f"({short_id(base.identity)}): the chain was rewritten (a trainer restart, a "
+                "second writer); it is never applied, wait for the next anchor"
+            )
+        self._check_link(m, base)
+        return base
+
+    def _check_link(self, m: Manifest, base: Manifest) -> None:
+        """The chain rules between delta ``m`` and the manifest it applies on (§9)."""
         if base.anchor_step != m.anchor_step:
             raise ChainError(
                 f"step {m.step} says its chain starts at anchor {m.anchor_step}, but its base "
@@ -230,7 +277,6 @@ class BucketReader:
                 f"step {m.step} and its base step {base.step} have different fingerprints; the "
                 "bucket mixes two parameter sets"
             )
-        return base
 
     # ------------------------------------------------------------------ data
     async def fetch_file(self, m: Manifest, index: int) -> dict[str, torch.Tensor]:
@@ -454,6 +500,11 @@ class BucketReader:
         return problems
 
 
+def short_id(identity: str | None) -> str:
+    """A step identity for messages: ``sha256:1a2b3c4d5e6f`` (None: ``unknown``)."""
+    return identity[:19] if identity else "unknown"
+
+
 def _chunk_ranges(pairs: list[tuple[TensorEntry, Chunk]]) -> tuple[tuple[int, int], ...]:
     return merge_ranges((r.offset, r.length) for _, c in pairs for r in (c.roles or {}).values())
 
@@ -509,4 +560,4 @@ def _chain_problems(m: Manifest, manifests: Mapping[int, Manifest]) -> list[str]
     return problems
 
 
-__all__ = ["BucketReader"]
+__all__ = ["BucketReader", "short_id"]

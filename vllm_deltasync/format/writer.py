@@ -43,6 +43,7 @@ from vllm_deltasync.format.manifest import (
     RoleRange,
     TensorEntry,
     Totals,
+    manifest_identity,
     merge_ranges,
 )
 from vllm_deltasync.stores import Store
@@ -307,11 +308,15 @@ def write_files(store: Store, loop: BackgroundLoop, step: int, kind: Kind, items
 def write_step(store: Store, loop: BackgroundLoop, step: int, kind: Kind, base_step: int | None,
                anchor_step: int, fp: str, totals: tuple[int, int], items: list[StepItem], *,
                codec: str, max_file_bytes: int, timeout_s: float, version: int = SCHEMA_VERSION,
-               run_id: str | None = None, writer: str | None = None) -> Manifest:
-    """Write the data files of one step, then its manifest. Returns the committed manifest.
+               run_id: str | None = None, writer: str | None = None, base_id: str | None = None,
+               resumed_from: int | None = None) -> Manifest:
+    """Write the data files of one step, then its manifest. Returns the committed manifest,
+    its ``identity`` set from the bytes written.
 
-    ``version`` 3 (default) and 2 need ``run_id`` and ``writer`` (lowercase hex); 1 writes the
-    old format (no writer token, chunks placed by position).
+    ``version`` 3 (default) and 2 need ``run_id`` and ``writer`` (lowercase hex) and write
+    ``base_id`` (a delta: the identity of the manifest it was computed from) and
+    ``resumed_from`` (an anchor, optional); 1 writes the old format (no writer token, no
+    identities, chunks placed by position).
     """
     if version not in (1, 2, 3) or (version >= 2 and not (run_id and writer)):
         raise FormatError(f"write_step: format version {version!r} needs run_id and writer (v2, v3) "
@@ -326,9 +331,19 @@ def write_step(store: Store, loop: BackgroundLoop, step: int, kind: Kind, base_s
                       sum(f.size for f in file_entries)),
         schema_version=version, run_id=run_id if version >= 2 else None,
         writer=writer if version >= 2 else None,
+        base_id=base_id if version >= 2 and kind == "delta" else None,
+        resumed_from=resumed_from if version >= 2 and kind == "anchor" else None,
     )
-    loop.run(store.write(manifest_path(step), manifest.to_json()), timeout_s)
-    return manifest
+    return commit_manifest(store, loop, manifest, timeout_s)
+
+
+def commit_manifest(store: Store, loop: BackgroundLoop, manifest: Manifest,
+                    timeout_s: float) -> Manifest:
+    """Write ``manifest`` create-only (the commit point of its step; a committed step is never
+    rewritten) and return it with its ``identity``: the digest of exactly the bytes written."""
+    data = manifest.to_json()
+    loop.run(store.write(manifest_path(manifest.step), data), timeout_s)
+    return replace(manifest, identity=manifest_identity(data))
 
 
 async def retain(store: Store, keep_anchors: int,

@@ -25,6 +25,7 @@ Worker side (in each rank, e.g. in the poller's state object)::
             "last_discovery_at": ...,   # unix time of the last successful look at the bucket
             "staged_bytes": ...,        # bytes currently held in host staging buffers
             "last_error": ...,          # str ("ChainError: ...") or None once recovered
+            "branch_lost": ...,         # str while the applied step left the bucket's chain
             "counters": stats.snapshot(store.stats),
         }
 
@@ -40,7 +41,8 @@ Exposure
 --------
 * Own port (default ``metrics_port`` 9464): ``GET /metrics`` (Prometheus text) and
   ``GET /synced?max_steps_behind=N`` (JSON; 200 when every rank has applied a step and is at
-  most N steps behind and the engine core's switch loop is not failing, else 503: the
+  most N steps behind, no rank is on a branch the bucket no longer continues, and the engine
+  core's switch loop is not failing, else 503: the
   readiness probe). Works for a plain ``vllm serve``.
 * vLLM's own ``/metrics``: start the server with ``PROMETHEUS_MULTIPROC_DIR`` set to an empty
   directory. prometheus_client then keeps these values in files that vLLM's API server
@@ -98,6 +100,10 @@ _GAUGES: tuple[tuple[str, str, str, tuple[str, ...]], ...] = (
      "Last successful look at the bucket (unix seconds).", _R),
     ("staged_bytes", "staged_bytes", "Bytes held in host staging buffers.", _R),
     ("failing", "failing", "1 while the rank's last attempt failed (last_error set), else 0.", _R),
+    ("branch_lost", "branch_lost",
+     "1 while the rank's applied step is on a branch the bucket no longer continues (a trainer "
+     "restart, another writer, a wiped bucket), until an anchor of the bucket's chain applies.",
+     _R),
     ("last_failure_ts", "last_failure_timestamp_seconds",
      "When the engine core first saw the rank's current error, by error class (unix seconds).",
      ("rank", "reason")),
@@ -117,6 +123,8 @@ _COUNTERS: tuple[tuple[str, str, str, tuple[str, ...]], ...] = (
      ("rank", "kind")),
     ("applied_steps", "applied_steps", "Steps applied by the rank.", ("rank", "kind")),
     ("changed_elements", "changed_elements", "Parameter elements written by the rank.", _R),
+    ("branch_changes", "branch_changes",
+     "Times the rank found its applied step gone from the bucket's chain (see branch_lost).", _R),
     ("failures", "failures", "Failed attempts by stage and error class.",
      ("rank", "stage", "reason")),
     ("store_requests", "store_requests",
@@ -167,6 +175,7 @@ class WorkerStats:
         self._bytes = dict.fromkeys(KINDS, 0)
         self._applied = dict.fromkeys(KINDS, 0)
         self._changed = 0
+        self._branch_changes = 0
         self._failures: dict[tuple[str, str], int] = {}
         self._events: collections.deque[tuple[int, str, float]] = collections.deque(
             maxlen=_MAX_EVENTS
@@ -187,6 +196,11 @@ class WorkerStats:
             self._changed += int(changed_elements)
             self._events.append((next(self._seq), "apply", float(seconds)))
 
+    def add_branch_change(self) -> None:
+        """The rank found its applied step on a branch the bucket no longer continues."""
+        with self._lock:
+            self._branch_changes += 1
+
     def add_failure(self, stage: str, error: BaseException | str) -> None:
         """A failed attempt at ``stage`` (one of :data:`STAGES`); the reason is the error class."""
         if stage not in STAGES:
@@ -203,6 +217,7 @@ class WorkerStats:
                 "downloaded_bytes": dict(self._bytes),
                 "applied_steps": dict(self._applied),
                 "changed_elements": self._changed,
+                "branch_changes": self._branch_changes,
                 "failures": [[s, r, n] for (s, r), n in sorted(self._failures.items())],
                 "events": [list(e) for e in self._events],
             }
@@ -244,6 +259,7 @@ class SyncMetrics:
     last_discovery_ts: Gauge
     staged_bytes: Gauge
     failing: Gauge
+    branch_lost: Gauge
     last_failure_ts: Gauge
     status_ts: Gauge
     last_switch_ts: Gauge
@@ -252,6 +268,7 @@ class SyncMetrics:
     downloaded_bytes: Counter
     applied_steps: Counter
     changed_elements: Counter
+    branch_changes: Counter
     failures: Counter
     store_requests: Counter
     switches: Counter
@@ -343,6 +360,7 @@ class SyncMetrics:
             value = _float_or_none(s.get(key))
             if value is not None:
                 gauge.labels(rank).set(value)
+        self.branch_lost.labels(rank).set(1 if s.get("branch_lost") else 0)
         error = str(s.get("last_error") or "")
         self.failing.labels(rank).set(1 if error else 0)
         if error and self._errors.get(rank) != error:
@@ -361,6 +379,9 @@ class SyncMetrics:
         changed = c.get("changed_elements")
         if changed is not None:
             _inc(self.changed_elements.labels(rank), cursor.advance(("c",), changed))
+        branches = c.get("branch_changes")
+        if branches is not None:
+            _inc(self.branch_changes.labels(rank), cursor.advance(("g",), branches))
         for stage, reason, total in c.get("failures") or ():
             _inc(self.failures.labels(rank, stage, reason), cursor.advance(("f", stage, reason), total))
         for op, outcome, total in c.get("store_requests") or ():
@@ -387,10 +408,12 @@ class SyncMetrics:
             behind = 0 if newest is None else newest - (-1 if applied is None else applied)
             rows.append({"rank": s.get("rank", index), "applied_step": applied,
                          "newest_step": newest, "steps_behind": max(behind, 0),
+                         "branch_lost": _redacted(s.get("branch_lost")),
                          "last_error": _redacted(s.get("last_error"))})
         ok = bool(rows) and not coordinator["failing"] and all(
             # an empty bucket leaves the loaded weights current
             (r["applied_step"] is not None or r["newest_step"] is None)
+            and not r["branch_lost"]
             and r["steps_behind"] <= max_steps_behind
             for r in rows
         )

@@ -142,6 +142,8 @@ class StepWatcher:
         self.latest: int | None = None
         self.stride = 1
         self._listed_at: float | None = None
+        self._take_listing = False
+        """Set by :meth:`rewound`: the next listing may lower ``latest``."""
         self._wake = asyncio.Event()
         self._events_task: asyncio.Task[None] | None = None
         self._feed_live = False
@@ -172,6 +174,13 @@ class StepWatcher:
                 await asyncio.wait_for(self._round(after, deadline), left)
         except TimeoutError:
             return self.latest if self._newer(after) else None
+
+    def rewound(self) -> None:
+        """The bucket went back (the reader found the applied step gone or rewritten: a
+        trainer restart, a wiped bucket): list again at the next round and take the listing's
+        newest step as the latest, even when it is older than the one seen so far."""
+        self._listed_at = None
+        self._take_listing = True
 
     async def close(self) -> None:
         if self._events_task is not None:
@@ -266,6 +275,13 @@ class StepWatcher:
         self._listed_at = time.monotonic()
         self._pace("api")
         steps = sorted(s for s in (parse_manifest_path(i.path) for i in infos) if s is not None)
+        if self._take_listing:
+            self._take_listing = False
+            if self.latest is not None and (not steps or steps[-1] < self.latest):
+                logger.warning("%s went back: its newest step is %s, %d was seen before",
+                               self.store.url, steps[-1] if steps else "none", self.latest)
+                self.latest = None
+                self.stride = 1
         for step in steps[-2:]:
             self._note(step)
 

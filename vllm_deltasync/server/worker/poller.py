@@ -27,10 +27,16 @@ from typing import Any
 from vllm_deltasync._loop import BackgroundLoop
 from vllm_deltasync._urls import redact_text
 from vllm_deltasync.config import SyncConfig
-from vllm_deltasync.errors import ChainError, FingerprintError, FormatError, IntegrityError
+from vllm_deltasync.errors import (
+    ChainError,
+    FingerprintError,
+    FormatError,
+    IntegrityError,
+    NotFoundError,
+)
 from vllm_deltasync.format.codec import TensorPatch
 from vllm_deltasync.format.manifest import Manifest
-from vllm_deltasync.format.reader import BucketReader
+from vllm_deltasync.format.reader import BucketReader, short_id
 from vllm_deltasync.server.metrics import WorkerStats, error_reason
 from vllm_deltasync.server.worker.discovery import StepWatcher
 from vllm_deltasync.server.worker.state import StagedStep, SyncState
@@ -97,6 +103,10 @@ class Poller:
         self._bad: dict[int, tuple[int, float]] = {}
         """Steps that failed verification -> (failures, monotonic time of the next try)."""
         self._reader.remember_failures_s = config.poll_interval_s
+        self.branch_check_s = min(60.0, max(2.0, 10 * config.poll_interval_s))
+        """How often the applied step's manifest is read again from the bucket, to see that
+        the bucket still continues it (a trainer restart, a second writer, a wiped bucket)."""
+        self._next_branch_check = 0.0
         self._loop = BackgroundLoop(name=f"deltasync-poller-rank{rank}")
         self._stager = ThreadPoolExecutor(1, thread_name_prefix=f"deltasync-stage-rank{rank}")
         """``each`` and ``prepare`` run on this one thread: one malloc arena holds (and reuses)
@@ -139,8 +149,11 @@ class Poller:
         return {
             "rank": self.rank,
             "applied_step": snap.applied_step,
+            "applied_id": snap.applied_id,
             "staged_step": snap.ready_steps[-1] if snap.ready_steps else None,
             "ready_steps": list(snap.ready_steps),
+            "ready_ids": list(snap.ready_ids),
+            "branch_lost": snap.branch_lost,
             "newest_step": snap.newest_step,
             "applied_published_at": snap.applied_published_at,
             "newest_published_at": snap.newest_published_at,
@@ -223,27 +236,40 @@ class Poller:
     async def _round(self) -> bool:
         """One discovery and staging round; False while a corrupt step is backed off from
         (its error stays reported)."""
-        tip, generation = self.state.plan_base()
+        await self._adopt_loaded()
+        await self._check_branch()
+        base, generation = self.state.plan_base()
+        tip = None if base is None else base.step
         after = tip if self._floor is None or (tip is not None and tip > self._floor) else self._floor
         target = await self._guarded(
             self._watcher.wait_for_new(after=after, timeout_s=self.config.poll_interval_s),
             "discover",
         )
         latest = self._watcher.latest
+        applied = self.state.applied_manifest()
+        if (latest is not None and applied is not None and latest < applied.step
+                and self.state.branch_lost() is None):
+            await self._check_branch(now=True)  # the bucket went back
+            return True
         if latest is not None and self._backing_off([latest]) is not None:
             latest = None  # a corrupt newest step: its manifest is not read again yet
         if target is not None and self._backing_off([target]) is not None:
             return False
         if latest is not None and latest != self.state.newest_step():
-            newest = await self._guarded(self._reader.manifest(latest), "discover")
+            newest = await self._guarded(self._reader.manifest(latest, fresh=True), "discover")
             self.state.saw(latest, newest.created_at)
         else:
             self.state.saw(None, None)
         if target is None:
             return self._backing_off(list(self._bad)) is None
-        plan = await self._guarded(
-            self._reader.plan(tip, target, max_chain=self.config.max_chain), "discover"
-        )
+        try:
+            plan = await self._guarded(
+                self._reader.plan(base, target, max_chain=self.config.max_chain), "discover")
+        except ChainError:
+            await self._check_branch(now=True)  # a rewritten chain: is ours still there?
+            raise
+        if plan and plan[0].kind == "anchor" and base is not None and base.identity is not None:
+            await self._check_branch(now=True)  # through an anchor: say so if ours is gone
         if self._backing_off([m.step for m in plan]) is not None:
             return False  # a step on the chain failed verification; wait for its backoff or an anchor
         bad = self.state.failed_steps(m.step for m in plan)
@@ -252,9 +278,11 @@ class Poller:
             logger.warning("deltasync rank=%d: step %d is on a chain through step %d, whose "
                            "switch failed; waiting for a newer anchor", self.rank, target, bad[-1])
             return True
+        below = base
         for manifest in plan:
             await self._wait_for_room()
-            staged = await self._stage(manifest)
+            staged = await self._stage(manifest, below)
+            below = manifest
             if not self.state.stage(generation, staged):
                 return True  # reset while staging: plan again from the new base
             logger.info(
@@ -271,7 +299,69 @@ class Poller:
                 return
             await self._room.wait()
 
-    async def _stage(self, manifest: Manifest) -> StagedStep[Any]:
+    async def _adopt_loaded(self) -> None:
+        """``loaded_step=N`` says the loaded checkpoint is step N: take the identity of the
+        bucket's step N now (deltas apply onto that exact manifest), or, when the bucket has
+        no step N, treat the weights as unknown (resync through an anchor)."""
+        step = self.state.loaded_step()
+        if step is None:
+            return
+        try:
+            manifest: Manifest | None = await self._guarded(
+                self._reader.manifest(step, fresh=True), "discover")
+        except NotFoundError:
+            manifest = None
+        reason = (f"loaded_step={step}: the bucket has no step {step}; the loaded weights are "
+                  "unknown, resyncing through the newest anchor")
+        if self.state.adopt_loaded(manifest, reason):
+            if manifest is None:
+                logger.warning("deltasync rank=%d %s", self.rank, reason)
+            else:
+                logger.info("deltasync rank=%d: the loaded checkpoint is step %d (%s, run %s)",
+                            self.rank, step, short_id(manifest.identity), manifest.run_id)
+
+    async def _check_branch(self, *, now: bool = False) -> None:
+        """Is the applied step still the one the bucket holds under its number? Read its
+        manifest again (every ``branch_check_s``, or ``now``); when it is gone or another
+        (a trainer restarted from an older checkpoint, a second writer, a wiped bucket) the
+        rank is on a branch the bucket no longer continues: say so (log, status, metrics)
+        and resync through the newest anchor of the chain the bucket holds now. The weights
+        are never moved across: a delta applies only onto the identity it names."""
+        applied = self.state.applied_manifest()
+        if applied is None or applied.identity is None or self.state.branch_lost() is not None:
+            return
+        clock = time.monotonic()
+        if not now and clock < self._next_branch_check:
+            return
+        self._next_branch_check = clock + self.branch_check_s
+        try:
+            current: Manifest | None = await self._guarded(
+                self._reader.manifest(applied.step, fresh=True), "discover")
+        except NotFoundError:
+            current = None
+        except FormatError as exc:
+            current, bad = None, str(exc)
+        else:
+            bad = ""
+        if current is not None and current.identity == applied.identity:
+            return
+        if current is None:
+            now_holds = f"holds no readable step {applied.step}{f' ({bad})' if bad else ''}"
+        else:
+            now_holds = (f"holds another step {applied.step} ({short_id(current.identity)}, run "
+                         f"{current.run_id}, writer {current.writer})")
+        reason = (f"branch changed: the applied step {applied.step} ({short_id(applied.identity)}, "
+                  f"run {applied.run_id}) is no longer in the bucket's chain: the bucket now "
+                  f"{now_holds} (a trainer restart, another writer or a wiped bucket); serving "
+                  "it until the newest anchor of the bucket's chain applies")
+        if self.state.lost_branch(reason):
+            self.stats.add_branch_change()
+            self._bad.clear()
+            self._floor = None
+            self._watcher.rewound()
+            logger.warning("deltasync rank=%d %s", self.rank, redact_text(reason))
+
+    async def _stage(self, manifest: Manifest, below: Manifest | None) -> StagedStep[Any]:
         started = time.perf_counter()
         patches: list[Any] = []
         staging_s = 0.0  # spent in ``each``: not download time
@@ -296,7 +386,11 @@ class Poller:
         except Exception as exc:
             exc.add_note("stage=stage")
             raise
-        return StagedStep(manifest, payload, nbytes, downloaded, download_s)
+        base_identity = None
+        if manifest.kind == "delta":  # ``plan`` checked the link onto ``below``
+            base_identity = below.identity if below is not None else None
+        return StagedStep(manifest, payload, nbytes, downloaded, download_s,
+                          base_identity=base_identity)
 
     async def _staging(self, fn: Callable[..., Any], *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._stager, fn, *args)

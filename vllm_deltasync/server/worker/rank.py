@@ -24,12 +24,13 @@ from vllm_deltasync.errors import ApplyError, ChainError
 from vllm_deltasync.format.codec import TensorPatch
 from vllm_deltasync.format.codecs import prepare_decoders
 from vllm_deltasync.format.manifest import Manifest
+from vllm_deltasync.format.reader import short_id
 from vllm_deltasync.server.worker.apply import sha256_hex
 from vllm_deltasync.server.worker.layouts import LayoutCache, LayoutSpec
 from vllm_deltasync.server.worker.packed import PackedLayers, Prebuilt
 from vllm_deltasync.server.worker.proof import ProofReport
 from vllm_deltasync.server.worker.shardmap import Piece, ShardMap
-from vllm_deltasync.server.worker.state import Applied, PendingSwitch, SyncState
+from vllm_deltasync.server.worker.state import Applied, PendingSwitch, StagedStep, SyncState
 
 logger = logging.getLogger(__name__)
 
@@ -360,8 +361,10 @@ class RankState:
                 if self._write_depth == 0:
                     self.write_seq += 1
 
-    def apply(self, step: int) -> dict[str, Any]:
-        """Main thread, between model steps: write every staged step up to ``step``.
+    def apply(self, step: int, *, identity: str | None = None) -> dict[str, Any]:
+        """Main thread, between model steps: write every staged step up to ``step``
+        (``identity``, when given: the manifest identity the engine core chose; a staged
+        ``step`` with another identity is a :class:`ChainError`, before anything is written).
 
         All or nothing on this rank: if anything fails, what was written is put back (see
         :class:`~vllm_deltasync.server.worker.apply.Undo`) and :class:`ApplyFailed` says
@@ -382,15 +385,7 @@ class RankState:
         with self._writing():  # kernels packed ahead are void from here
             try:
                 taken = self.sync.take(step, rank=self.rank)
-                applied = before[0]
-                for staged in taken:  # check the whole chain before writing anything
-                    m = staged.manifest
-                    if m.kind == "delta" and m.base_step != applied:
-                        raise ChainError(
-                            f"rank {self.rank}: step {m.step} applies on step {m.base_step}, "
-                            f"the engine holds step {applied}"
-                        )
-                    applied = m.step
+                _check_chain(self.rank, before, taken, identity)  # before anything is written
                 for staged in taken:
                     t0 = time.perf_counter()
                     fail_after = _failpoint(self.rank, staged.step)
@@ -510,6 +505,30 @@ class RankState:
         if self.refused is not None:
             out.update(last_error=self.refused, ready_steps=[])
         return out
+
+
+def _check_chain(rank: int, before: Applied, taken: list[StagedStep[Any]],
+                 identity: str | None) -> None:
+    """Identity, not numbers: each delta of ``taken`` must have been planned onto exactly the
+    manifest below it (the applied one for the first), and the last step must be the one the
+    engine core chose (``identity``). :class:`ChainError` before anything is written."""
+    below = before[1]
+    for staged in taken:
+        m = staged.manifest
+        if m.kind == "delta" and (below is None or below.identity is None
+                                  or staged.base_identity != below.identity):
+            held = "unknown weights" if below is None else (
+                f"step {below.step} ({short_id(below.identity)})")
+            raise ChainError(
+                f"rank {rank}: step {m.step} was computed from step {m.base_step} "
+                f"({short_id(staged.base_identity)}), the engine holds {held}; a delta is "
+                "applied only onto the exact weights it was computed from")
+        below = m
+    last = taken[-1].manifest
+    if identity is not None and last.identity != identity:
+        raise ChainError(f"rank {rank}: step {last.step} staged here is "
+                         f"{short_id(last.identity)}, the engine core chose "
+                         f"{short_id(identity)}; not applied")
 
 
 def _local_world(worker: Any) -> int:

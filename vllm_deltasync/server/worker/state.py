@@ -6,8 +6,11 @@ the live parameters when the engine core says so. Everything they share lives he
 here, behind one lock:
 
 * the staged steps (:class:`StagedStep`, the typed hand-over from poller to main thread);
-* the applied step and its manifest, the step being written, the generation counter that voids
-  plans made before a reset or rewind, the steps whose switch failed;
+* the applied step and its manifest (whose identity a delta must name as its base), the step
+  being written, the generation counter that voids plans made before a reset, rewind or branch
+  change, the steps whose switch failed;
+* whether the applied step is on a branch the bucket no longer continues (a trainer restarted
+  from an older checkpoint, a second writer, a wiped bucket) until an anchor is applied;
 * the last switch's :class:`PendingSwitch` (its undo) until the engine core commits or takes
   it back;
 * what discovery last saw (newest step, its publish time), the last error, the last apply.
@@ -52,6 +55,9 @@ class StagedStep(Generic[P]):
     downloaded_bytes: int
     download_s: float
     staged_at: float = field(default_factory=time.time)
+    base_identity: str | None = None
+    """A delta: the identity of the manifest it was planned onto (the step before it in the
+    plan, or the applied one); it is written only onto weights of exactly that identity."""
 
     @property
     def step(self) -> int:
@@ -74,8 +80,11 @@ class Snapshot:
     """A consistent copy of the state, read under the lock."""
 
     applied_step: int | None
+    applied_id: str | None
     applied_published_at: float | None
     ready_steps: tuple[int, ...]
+    ready_ids: tuple[str | None, ...]
+    branch_lost: str | None
     staged_bytes: int
     newest_step: int | None
     newest_published_at: float | None
@@ -94,7 +103,8 @@ class SyncState(Generic[P]):
         self._on_room = on_room
         self._staged: list[StagedStep[P]] = []
         self._applied: Applied = (applied_step, None)
-        self._applying: int | None = None
+        self._applying: Manifest | None = None
+        self._branch: str | None = None
         self._generation = 0
         self._resync = False
         self._bad_steps: set[int] = set()
@@ -111,16 +121,65 @@ class SyncState(Generic[P]):
         self._on_room = callback
 
     # ------------------------------------------------------------- poller thread
-    def plan_base(self) -> tuple[int | None, int]:
-        """The step the next plan starts from (staged tail, else the step being written, else
-        the applied step unless a resync through an anchor is due) and the generation it
-        belongs to: :meth:`stage` drops a step planned in an older generation."""
+    def plan_base(self) -> tuple[Manifest | None, int]:
+        """The manifest the next plan starts from (staged tail, else the step being written,
+        else the applied step unless a resync through an anchor is due; None: unknown weights)
+        and the generation it belongs to: :meth:`stage` drops a step planned in an older
+        generation."""
         with self._lock:
             if self._staged:
-                return self._staged[-1].step, self._generation
+                return self._staged[-1].manifest, self._generation
             if self._applying is not None:
                 return self._applying, self._generation
-            return (None if self._resync else self._applied[0]), self._generation
+            return (None if self._resync else self._applied[1]), self._generation
+
+    def loaded_step(self) -> int | None:
+        """The step number ``loaded_step`` claims for the loaded checkpoint, while its
+        manifest (its identity) is not known yet; else None."""
+        with self._lock:
+            step, manifest = self._applied
+            return step if manifest is None and not self._resync else None
+
+    def adopt_loaded(self, manifest: Manifest | None, reason: str = "") -> bool:
+        """Poller thread, once: the loaded checkpoint is ``manifest`` (the bucket's step
+        ``loaded_step`` names); None: that step is not in the bucket, so the weights are
+        unknown (resync through an anchor; ``reason`` says why). False when something else
+        was applied meanwhile."""
+        with self._lock:
+            step, known = self._applied
+            if known is not None or step is None or (manifest is not None and manifest.step != step):
+                return False
+            if manifest is None:
+                self._applied = (None, None)
+                self._switch_error = reason or None
+            else:
+                self._applied = (step, manifest)
+            return True
+
+    def lost_branch(self, reason: str) -> bool:
+        """Poller thread: the applied step is on a branch the bucket no longer continues
+        (its manifest there is gone or another). The weights stay as they are (and are
+        reported as such) until an anchor of the bucket's chain is applied; staged steps are
+        dropped, failed-step memory (step numbers of the old branch) forgotten. False when it
+        was already known."""
+        with self._lock:
+            if self._branch == reason:
+                return False
+            self._branch = reason
+            self._staged.clear()
+            self._resync = True
+            self._bad_steps.clear()
+            self._generation += 1
+        self._room()
+        return True
+
+    def branch_lost(self) -> str | None:
+        with self._lock:
+            return self._branch
+
+    def applied_manifest(self) -> Manifest | None:
+        with self._lock:
+            return self._applied[1]
 
     def stage(self, generation: int, staged: StagedStep[P]) -> bool:
         """Add a prepared step; False (dropped) when a reset or rewind came in between."""
@@ -199,7 +258,7 @@ class SyncState(Generic[P]):
                 )
             cut = steps.index(upto) + 1
             taken, self._staged = self._staged[:cut], self._staged[cut:]
-            self._applying = upto
+            self._applying = taken[-1].manifest
         self._room()
         return taken
 
@@ -207,9 +266,11 @@ class SyncState(Generic[P]):
         """``manifest`` is written into the weights: it is the new base of the chain."""
         with self._lock:
             self._applied = (manifest.step, manifest)
-            if self._applying is not None and self._applying <= manifest.step:
+            if self._applying is not None and self._applying.step <= manifest.step:
                 self._applying = None
-            self._resync = False
+            if manifest.kind == "anchor":
+                self._branch = None  # back on the chain the bucket holds
+            self._resync = self._branch is not None
             self._staged = [s for s in self._staged if s.step > manifest.step]
 
     def switched(self, pending: PendingSwitch, last_apply: dict[str, Any]) -> None:
@@ -295,8 +356,11 @@ class SyncState(Generic[P]):
             applied_m = self._applied[1]
             return Snapshot(
                 applied_step=self._applied[0],
+                applied_id=applied_m.identity if applied_m is not None else None,
                 applied_published_at=applied_m.created_at if applied_m is not None else None,
                 ready_steps=tuple(s.step for s in self._staged),
+                ready_ids=tuple(s.manifest.identity for s in self._staged),
+                branch_lost=self._branch,
                 staged_bytes=sum(s.nbytes for s in self._staged),
                 newest_step=self._newest[0],
                 newest_published_at=self._newest[1],
