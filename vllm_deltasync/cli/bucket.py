@@ -15,9 +15,11 @@ from pathlib import Path
 from typing import Any
 
 from vllm_deltasync._urls import redact_url
-from vllm_deltasync.errors import ConfigError, DeltaSyncError
+from vllm_deltasync.errors import ConfigError, DeltaSyncError, FormatError, IntegrityError
+from vllm_deltasync.format._listing import newest_readable
 from vllm_deltasync.format.manifest import Manifest
 from vllm_deltasync.format.reader import BucketReader
+from vllm_deltasync.stores import Store
 
 
 # ---------------------------------------------------------------------------- inspect
@@ -164,11 +166,19 @@ def _run_materialize(args: argparse.Namespace) -> int:
         print(f"vllm-deltasync materialize: {out} exists; pass --force to replace it", file=sys.stderr)
         return 1
 
+    def warn(line: str) -> None:
+        print(f"vllm-deltasync materialize: warning: {line}", file=sys.stderr)
+
     async def go() -> tuple[int, Manifest, dict[str, Any]]:
         async with BucketReader.open(args.url) as reader:
-            step = args.step if args.step is not None else await reader.latest_step()
-            if step is None:
-                raise DeltaSyncError(f"{redact_url(args.url)} holds no committed step")
+            step = args.step
+            if step is None:  # the newest readable: a garbage newest manifest is skipped
+                newest = await newest_readable(reader, warn=warn)
+                if newest is None:
+                    raise DeltaSyncError(f"{redact_url(args.url)} holds no committed step")
+                step = newest[0]
+            chain = await reader.plan(None, step)
+            await check_anchor_files(reader.store, chain[0])  # before allocating what it claims
             tensors = await reader.read_full(step)  # verifies every file before decoding it
             return step, await reader.manifest(step), tensors
 
@@ -185,4 +195,35 @@ def _run_materialize(args: argparse.Namespace) -> int:
     return 0
 
 
-__all__ = ["add_inspect", "add_materialize", "add_verify", "check_source"]
+async def check_anchor_files(store: Store, anchor: Manifest, *, concurrency: int = 16) -> None:
+    """Refuse an anchor whose data files cannot hold what it claims, before anything is sized
+    by its claims: every file must exist with the size its manifest records (``store.stat``),
+    and together they must hold 2 bytes (one bf16) per element of its tensors, as a dense
+    anchor does. FormatError / IntegrityError naming the step and the fix."""
+    slots = asyncio.Semaphore(concurrency)
+
+    async def size(path: str) -> int | None:
+        async with slots:
+            info = await store.stat(path)
+            return None if info is None else info.size
+
+    total = 0
+    for entry, actual in zip(anchor.files, await asyncio.gather(*(size(f.path) for f in anchor.files)),
+                             strict=True):
+        if actual is None:
+            raise IntegrityError(f"step {anchor.step}: data file {entry.path} listed in its "
+                                 f"manifest is missing from {store.url}; materialize another step")
+        if actual != entry.size:
+            raise IntegrityError(f"step {anchor.step}: data file {entry.path} is {actual} bytes, "
+                                 f"its manifest says {entry.size}; the file or manifest is corrupt")
+        total += actual
+    elements = sum(t.numel for t in anchor.tensors)
+    if total < 2 * elements:
+        raise FormatError(
+            f"step {anchor.step} of {store.url}: anchor claims {elements} bf16 elements "
+            f"({_human(2 * elements)}) but its {len(anchor.files)} data files hold "
+            f"{_human(total)}; the manifest is corrupt or hostile, nothing was allocated. "
+            "Materialize another step")
+
+
+__all__ = ["add_inspect", "add_materialize", "add_verify", "check_anchor_files", "check_source"]

@@ -35,7 +35,14 @@ import numpy as np
 import torch
 
 from vllm_deltasync._loop import BackgroundLoop, default_loop
-from vllm_deltasync.errors import AlreadyExistsError, ConfigError, FormatError, PublishError
+from vllm_deltasync.errors import (
+    AlreadyExistsError,
+    ConfigError,
+    FormatError,
+    NotFoundError,
+    PublishError,
+)
+from vllm_deltasync.format._listing import newest_readable, read_manifest, skipped_line
 from vllm_deltasync.format.codecs import get_codec
 from vllm_deltasync.format.layout import MANIFEST_DIR, manifest_path, parse_manifest_path
 from vllm_deltasync.format.manifest import (
@@ -179,6 +186,7 @@ class DeltaPublisher:
         self._closed = False
         self._kinds: dict[int, tuple[str, frozenset[str], str | None]] = {}
         self._seen_step = self._last_step  # newest step checked for another writer
+        self._unreadable: set[int] = set()  # newer manifests that do not read: skipped, reported once
         self._queue: queue.Queue[_Job | None] = queue.Queue(maxsize=max_pending_steps)
         self._thread = threading.Thread(target=self._work, name="vllm-deltasync-publisher", daemon=True)
         self._thread.start()
@@ -526,13 +534,25 @@ class DeltaPublisher:
         return (m.writer, m.run_id or "?") if m.writer else ("(format v1, anonymous)", "?")
 
     async def _check_alone(self, step: int) -> None:
-        """Refuse to commit when a step newer than the last one seen was committed by another writer."""
+        """Refuse to commit when a step newer than the last one seen was committed by another writer.
+
+        A newer manifest that does not read (garbage, or another step's) is skipped with one
+        warning line, once: it names no writer and is no step to publish after."""
         steps = [parse_manifest_path(o.path) for o in await self._store.list(f"{MANIFEST_DIR}/")]
-        newer = sorted(s for s in steps if s is not None and (self._seen_step is None or s > self._seen_step)
-                       and s not in self._kinds)
-        for other_step in newer:
-            other = await self._writer_of(other_step)
-            if other is not None and other[0] != self.writer_token:
+        candidates = sorted(s for s in steps if s is not None and (self._seen_step is None or s > self._seen_step)
+                            and s not in self._kinds and s not in self._unreadable)
+        newer = []
+        for other_step in candidates:
+            try:
+                m = await read_manifest(self._store, other_step)
+            except (FormatError, NotFoundError) as exc:
+                if not isinstance(exc, NotFoundError):  # gone since the listing: nothing to say
+                    log.warning("%s", skipped_line(self._store, other_step, exc))
+                    self._unreadable.add(other_step)
+                continue
+            newer.append(other_step)
+            other = (m.writer, m.run_id or "?") if m.writer else ("(format v1, anonymous)", "?")
+            if other[0] != self.writer_token:
                 raise PublishError(self._conflict(other_step, other))
         if newer and newer[-1] >= step:
             raise PublishError(f"step {step}: step {newer[-1]} is already committed in "
@@ -556,9 +576,10 @@ class DeltaPublisher:
         return self._loop.run(coro, self.timeout_s)
 
     async def _newest_step(self) -> int | None:
-        steps = [parse_manifest_path(o.path) for o in await self._store.list(f"{MANIFEST_DIR}/")]
-        found = [s for s in steps if s is not None]
-        return max(found) if found else None
+        """The newest readable step at start: a garbage newest manifest is skipped with one
+        warning line naming it (format/_listing.py), never the step every publish is refused by."""
+        newest = await newest_readable(self._store)
+        return None if newest is None else newest[0]
 
 
 def _check_options(anchor_every: int, keep_anchors: int, max_file_bytes: int, pending: int) -> None:
