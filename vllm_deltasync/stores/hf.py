@@ -31,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import builtins
 import dataclasses
+import ipaddress
 import json
 import os
 import socket
@@ -182,6 +183,30 @@ LOCATED_TTL_S = 30.0
 valid for minutes; a failed read drops it)."""
 
 
+PIN_TTL_S = 300.0
+"""Seconds the address check of a redirect host (and the addresses it pins) is reused; a
+CDN's addresses change over hours, a rebinding attacker's between two lookups."""
+
+
+@dataclass(frozen=True)
+class _Pin:
+    cls: str | None
+    """Address class of the host (the least public of its addresses); None: unresolvable."""
+    addresses: tuple[str, ...]
+    """The addresses the class was judged by: the only ones a request to the host uses."""
+    until: float
+    """monotonic time the check expires."""
+
+
+def _is_name(host: str) -> bool:
+    """True for a host name (looked up), False for an IP literal."""
+    try:
+        ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        return True
+    return False
+
+
 class HfStore(Store):
     """A prefix inside one Hugging Face Storage Bucket."""
 
@@ -219,7 +244,8 @@ class HfStore(Store):
         self._timeout = aiohttp.ClientTimeout(
             total=self.options.max_request_s, sock_connect=30, sock_read=self.options.request_timeout_s
         )
-        self._classes: dict[str, str | None] = {}
+        self._pins: dict[str, _Pin] = {}
+        """host -> its address class and the addresses it was judged by (redirect rule)."""
         self.gates = {"api": RateGate("api"), "resolve": RateGate("resolve")}
         self._located: dict[str, tuple[str, float]] = {}
         """path -> (CDN URL, monotonic time it is trusted until)."""
@@ -489,42 +515,84 @@ class HfStore(Store):
             return target
         return url
 
+    async def _lookup(self, host: str) -> _Pin:
+        """The address class of ``host`` and the addresses it was judged by, looked up once
+        per :data:`PIN_TTL_S` (an IP literal is its own address). Requests to a checked host
+        connect to these addresses (:meth:`_pinned`): the host name is never looked up again
+        between the check and the connection (no DNS rebinding)."""
+        now = time.monotonic()
+        pin = self._pins.get(host)
+        if pin is not None and pin.until > now:
+            return pin
+        literal = address_class(host)
+        if literal is not None and not _is_name(host):
+            pin = _Pin(literal, (), now + PIN_TTL_S)
+        else:
+            try:
+                infos = await asyncio.get_running_loop().getaddrinfo(
+                    host, None, type=socket.SOCK_STREAM)
+            except OSError:
+                infos = []  # unresolvable: refused by the check (no second lookup later)
+            addresses = tuple(dict.fromkeys(str(info[4][0]) for info in infos))
+            classes = {address_class(a) for a in addresses} | ({literal} if literal else set())
+            found = None
+            # the least public class wins: one private address makes the host private
+            for kind in ("link-local", "loopback", "private", "public"):
+                if kind in classes:
+                    found = kind
+                    break
+            pin = _Pin(found, addresses, now + PIN_TTL_S)
+        if len(self._pins) >= 1024:
+            self._pins.clear()
+        self._pins[host] = pin
+        return pin
+
     async def _host_class(self, url: str) -> str | None:
-        """The address class of ``url``'s host (resolved when it is a name; cached)."""
-        host = urlsplit(url).hostname or ""
-        if host not in self._classes:
-            found = address_class(host)
-            if found is None:
-                try:
-                    infos = await asyncio.get_running_loop().getaddrinfo(
-                        host, None, type=socket.SOCK_STREAM)
-                except OSError:
-                    infos = []  # unresolvable: the request itself will fail
-                classes = {address_class(str(info[4][0])) for info in infos}
-                # the least public class wins: one private address makes the host private
-                for kind in ("link-local", "loopback", "private", "public"):
-                    if kind in classes:
-                        found = kind
-                        break
-            self._classes[host] = found
-        return self._classes[host]
+        """The address class of ``url``'s host (resolved when it is a name; pinned)."""
+        return (await self._lookup(urlsplit(url).hostname or "")).cls
 
     async def _check_redirect(self, origin: str, target: str, what: str) -> None:
         """The redirect rule (docs/transports.md): never from a public origin to a private,
         loopback or link-local address; same class and public targets allowed; more by
-        ``allow_redirects_to``. A refused redirect is a StoreError (not retried)."""
+        ``allow_redirects_to``. A refused redirect is a StoreError (not retried); a target
+        host that does not resolve is a TransientStoreError (nothing is sent to it)."""
         if urlsplit(target).scheme not in ("http", "https"):
             raise StoreError(f"{what}: redirected to a non-HTTP URL; refused")
         origin_class = await self._host_class(origin) or "public"
         target_class = await self._host_class(target)
         if target_class is None:
-            return
+            self._pins.pop(urlsplit(target).hostname or "", None)  # look it up again next time
+            raise TransientStoreError(
+                f"{what}: redirected to {urlsplit(target).hostname}, which does not resolve")
         if not redirect_allowed(origin_class, target_class, self.options.allow_redirects_to):
             self.stats.count("redirect", "refused")
             raise StoreError(
                 f"{what}: a {origin_class} origin redirected to a {target_class} address "
                 f"({urlsplit(target).hostname}); refused (HfOptions.allow_redirects_to allows it)"
             )
+
+    async def _pinned(self, url: str, what: str) -> tuple[URL, dict[str, Any]]:
+        """Where to connect for ``url``: a redirect target's host name replaced by the
+        address its check was made on (``Host`` header and TLS server name kept), so the
+        name is not looked up a second time. The endpoint's own URLs go as they are; a target
+        whose check is older than :data:`PIN_TTL_S` is checked again first."""
+        parts = urlsplit(url)
+        host = parts.hostname or ""
+        if not _is_name(host) or parts[:2] == urlsplit(self.endpoint)[:2]:
+            return URL(url, encoded=True), {}
+        pin = self._pins.get(host)
+        if pin is None or pin.until <= time.monotonic() or not pin.addresses:
+            await self._check_redirect(self.endpoint, url, what)
+            pin = self._pins[host]
+        address = pin.addresses[0]
+        shown = f"[{address}]" if ":" in address else address
+        netloc = shown if parts.port is None else f"{shown}:{parts.port}"
+        direct = parts._replace(netloc=netloc).geturl()
+        host_header = host if parts.port is None else f"{host}:{parts.port}"
+        extra: dict[str, Any] = {"host_header": host_header}
+        if parts.scheme == "https":
+            extra["server_hostname"] = host  # SNI and certificate checked against the name
+        return URL(direct, encoded=True), extra
 
     async def _fetch(
         self, url: str, start: int, end: int | None, buf: Chunks, what: str
@@ -544,10 +612,12 @@ class HfStore(Store):
     ) -> int | str | None:
         """One GET of a range: the total size (or None), or the URL a redirect points to."""
         headers = {**self._auth(url), "Range": range_header(start, end)}
+        direct, extra = await self._pinned(url, what)
+        if "host_header" in extra:
+            headers["Host"] = extra.pop("host_header")
         try:
             async with self._http().get(
-                URL(url, encoded=True), headers=headers, allow_redirects=False,
-                timeout=self._timeout,
+                direct, headers=headers, allow_redirects=False, timeout=self._timeout, **extra,
             ) as resp:
                 if resp.status == 416:
                     return 0
