@@ -87,6 +87,8 @@ def _redact_match(match: re.Match[str]) -> str:
     scheme, rest = match.group(1), match.group(2)
     bare = rest.rstrip(_TRAILING)
     trail = rest[len(bare):]
+    if not bare:  # "s3://<bucket>" in a hint: a scheme alone, nothing to redact
+        return match.group(0)
     if "?" in bare and not bare.split("?", 1)[1]:  # "...?" ended a sentence
         bare, trail = bare[:-1], "?" + trail
     shown = redact_url(f"{scheme}://{bare}")

@@ -119,6 +119,7 @@ def test_scheme_without_slashes_is_malformed_not_a_path(
         assert f"use {scheme}://" in msg  # names the form to use
     if "@" in url:
         assert "never in the URL" in msg  # and where credentials go
+    assert redact_text(msg) == msg  # the CLI's one-line redaction keeps the hint intact
     assert_no_secret(msg, redact_url(url), redact_text(f"failed: {url} ."), all_logs.text)
     assert list(tmp_path.iterdir()) == []  # nothing was created as a local directory
 

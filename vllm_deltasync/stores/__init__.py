@@ -38,7 +38,7 @@ _REGISTRY: dict[str, tuple[str, str, str | None]] = {
 # scheme -> the URL form a refusal of a malformed URL of that scheme names
 _FORMS: dict[str, str] = {
     "file": "file:///path/to/bucket (or a bare path)",
-    "memory": "memory://NAME",
+    "memory": "memory://<name>",
     "hf": "hf://buckets/<namespace>/<name>[/<prefix>]",
     "s3": "s3://<bucket>[/<prefix>]",
 }
