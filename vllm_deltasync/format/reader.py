@@ -557,6 +557,16 @@ def _chain_problems(m: Manifest, manifests: Mapping[int, Manifest]) -> list[str]
         walk = manifests[walk.base_step]  # type: ignore[index]
     if walk.kind == "delta":
         problems.append(f"step {m.step}: cannot be rebuilt, its chain misses step {walk.base_step}")
+        return problems
+    shapes = {e.name: e.shape for e in walk.tensors}  # the anchor: every tensor a delta may patch
+    for entry in m.tensors:
+        if entry.name not in shapes:
+            problems.append(f"step {m.step}: tensor {entry.name!r} is not in its anchor step "
+                            f"{walk.step}; the delta cannot be applied (the chain mixes models)")
+        elif shapes[entry.name] != entry.shape:
+            problems.append(f"step {m.step}: tensor {entry.name!r} is {list(entry.shape)}, in its "
+                            f"anchor step {walk.step} {list(shapes[entry.name])}; the delta cannot "
+                            "be applied")
     return problems
 
 
