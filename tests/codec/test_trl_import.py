@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -135,3 +136,47 @@ def test_a_failed_import_resumes_where_it_stopped(tmp_path: Path) -> None:
         assert importer.import_new() == [2, 3]
     for step in (1, 3):
         _assert_same(_read_full(dst, step), trainer.history[step])
+
+
+@pytest.mark.parametrize("scheme", ["hf", "s3"])
+def test_import_from_a_network_bucket_closes_its_sessions(
+        scheme: str, tmp_path: Path, request: pytest.FixtureRequest, run: Any) -> None:
+    """``import-trl hf://... / s3://...`` in a subprocess with every warning shown: no
+    "Unclosed client session" / ResourceWarning at exit, for a good import and a failed one."""
+    import os
+    import subprocess
+    import sys
+
+    trainer = TrlTrainer(tmp_path / "trl")
+    for step in range(3):
+        trainer.step(step)
+    env = {**os.environ, "PYTHONWARNINGS": "always", "PYTHONDONTWRITEBYTECODE": "1"}
+    if scheme == "hf":
+        hub = request.getfixturevalue("hub")
+        store = request.getfixturevalue("make_hf_store")()
+        env.update(HF_ENDPOINT=hub.endpoint, HF_TOKEN=hub.token)
+    else:
+        from tests.conftest import S3_CREDENTIALS
+        store = request.getfixturevalue("make_s3_store")()
+        env.update(AWS_ENDPOINT_URL=request.getfixturevalue("s3_endpoint"), AWS_REGION="us-east-1",
+                   AWS_ACCESS_KEY_ID=S3_CREDENTIALS["aws_access_key_id"],
+                   AWS_SECRET_ACCESS_KEY=S3_CREDENTIALS["aws_secret_access_key"])
+    for path in sorted((tmp_path / "trl").rglob("*.safetensors")):
+        run(store.write(str(path.relative_to(tmp_path / "trl")), path.read_bytes()))
+    cli = Path(sys.executable).with_name("vllm-deltasync")
+
+    def import_trl(dst: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([str(cli), "import-trl", store.url, dst], capture_output=True,
+                              text=True, timeout=120, env=env)
+
+    done = import_trl(f"file://{tmp_path}/ours")
+    assert done.returncode == 0, done.stderr
+    assert "imported 3 steps (0..2)" in done.stdout
+    assert "Unclosed" not in done.stderr and "ResourceWarning" not in done.stderr, done.stderr
+    _assert_same(_read_full(f"file://{tmp_path}/ours", 2), trainer.history[2])
+    # a failed import (a corrupt delta) closes them too, and says why in one line
+    run(store.write("deltas/step_000003.safetensors", b"not a safetensors file"))
+    failed = import_trl(f"file://{tmp_path}/ours")
+    assert failed.returncode == 1 and "step_000003" in failed.stderr
+    assert "Unclosed" not in failed.stderr and "ResourceWarning" not in failed.stderr, failed.stderr
+    assert "Traceback" not in failed.stderr

@@ -26,8 +26,8 @@ def run(args: argparse.Namespace) -> int:
     """Run ``import-trl``; exit status 0. Errors of the tree propagate to the CLI."""
     if not args.follow:  # --follow may start before the trainer made its bucket
         check_source(args.src)
-    with DeltaPublisher(args.dst, codec=args.codec, anchor_every=args.anchor_every) as publisher:
-        importer = TrlImporter(args.src, publisher)
+    with (DeltaPublisher(args.dst, codec=args.codec, anchor_every=args.anchor_every) as publisher,
+          TrlImporter(args.src, publisher) as importer):  # both close their stores' sessions
         if args.follow:
             try:
                 importer.follow(args.poll_interval_s, threading.Event())

@@ -111,14 +111,33 @@ def apply_trl_delta(state: dict[str, torch.Tensor], delta: dict[str, torch.Tenso
 
 
 class TrlImporter:
-    """Replays a TRL bucket into a vllm-deltasync bucket through a DeltaPublisher."""
+    """Replays a TRL bucket into a vllm-deltasync bucket through a DeltaPublisher.
+
+    Opened from a URL, the importer owns its source store: :meth:`close` (or leaving a
+    ``with`` block) closes it, so ``hf://`` and ``s3://`` sessions are released on the loop
+    that opened them (no "Unclosed client session" at exit). A store passed in stays the
+    caller's to close.
+    """
 
     def __init__(self, src: str | Store, publisher: DeltaPublisher, *, timeout_s: float = 600.0) -> None:
+        self._owns_src = isinstance(src, str)
         self.src = open_store(src) if isinstance(src, str) else src
         self.publisher = publisher
         self.timeout_s = timeout_s
         self._state: dict[str, torch.Tensor] | None = None
         self._state_step: int | None = None
+
+    def close(self) -> None:
+        """Close the source store if this importer opened it (idempotent)."""
+        if self._owns_src:
+            self._owns_src = False
+            default_loop().run(self.src.close(), self.timeout_s)
+
+    def __enter__(self) -> TrlImporter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def scan(self) -> list[TrlFile]:
         """Every step file in the TRL bucket (other objects are ignored)."""
