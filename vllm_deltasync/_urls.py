@@ -108,6 +108,10 @@ KNOWN_SCHEMES = ("file", "memory", "hf", "s3", "http", "https", "gs", "gcs", "az
 """Schemes a string is a URL of even without ``//`` (``s3:b/p`` is a malformed URL, never a
 local directory named ``s3:b``); ``open_store`` adds the schemes registered with it."""
 
+_NEEDS_AUTHORITY = frozenset(KNOWN_SCHEMES) - {"file", "memory"}
+"""Schemes whose authority is the bucket (or host): ``s3:///...`` names none. ``file:///``
+and other registered schemes (a local directory behind them) take an empty one."""
+
 _SCHEME_PREFIX = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.-]{0,15}):")
 _SCHEMELESS_USERINFO = re.compile(
     r"(?i)\b(" + "|".join(KNOWN_SCHEMES) + r"):(/?)[^\s'\"<>()\[\]{},@/]+@")
@@ -118,8 +122,8 @@ def check_bucket_url(url: str, schemes: tuple[str, ...] | frozenset[str] = KNOWN
                      forms: dict[str, str] | None = None) -> None:
     """Refuse a bucket URL with userinfo (``user:password@``) or a query string / fragment,
     and a malformed one: a known scheme (``schemes``) followed by ``:`` but not ``://``
-    (``s3:KEY:SECRET@b/p``, ``s3:/b``, ``hf:buckets/...``), or a scheme other than ``file``
-    with nothing between ``://`` and the next ``/`` (``s3:///KEY:SECRET@b/p``).
+    (``s3:KEY:SECRET@b/p``, ``s3:/b``, ``hf:buckets/...``), or a network scheme (``s3``,
+    ``hf``, ...) with nothing between ``://`` and the next ``/`` (``s3:///KEY:SECRET@b/p``).
 
     The message shows the URL redacted (a malformed one only by its scheme: what follows may
     be a pasted secret), names the supported credential sources when the URL carries an
@@ -136,7 +140,7 @@ def check_bucket_url(url: str, schemes: tuple[str, ...] | frozenset[str] = KNOWN
         return
     scheme, rest = url.split("://", 1)
     authority = rest.split("/", 1)[0]
-    if not authority and scheme.lower() != "file" and scheme.lower() in schemes:
+    if not authority and scheme.lower() in _NEEDS_AUTHORITY:
         raise ConfigError(_malformed(url, scheme.lower(), "names no bucket after '://'", forms))
     if "@" in authority:
         raise ConfigError(
