@@ -25,6 +25,7 @@ from vllm_deltasync.config import SyncConfig
 from vllm_deltasync.server.engine.coordinator import (
     CommitFailed,
     Coordinator,
+    common_after_reset,
     common_ready,
     common_ready_step,
 )
@@ -182,6 +183,11 @@ def test_common_ready_step_needs_the_same_identities() -> None:
     assert common_ready_step([{"applied_step": 2, "ready_steps": [3]},
                               {"applied_step": 1, "ready_steps": [3]}]) is None
     assert common_ready_step([]) is None
+    held = [{"applied_step": None, "ready_steps": [5, 6, 10], "ready_ids": ["5", "6", "10"]},
+            {"applied_step": None, "ready_steps": [10], "ready_ids": ["10"]}]
+    assert common_ready(held) is None and common_after_reset(held) == (10, "10")
+    assert common_after_reset([held[0], dict(held[1], ready_ids=["10b"])]) is None
+    assert common_after_reset([dict(held[0], applied_step=2), held[1]]) is None
 
 
 def test_the_switch_passes_the_identity_and_commits() -> None:
@@ -232,12 +238,13 @@ def test_a_rank_that_cannot_take_it_back_holds_until_an_anchor_applies_everywher
     coord.tick()  # nothing staged yet: still held, nothing unpaused
     assert coord.held is not None and engine.scheduler.pause_state is Pause.PAUSED_ALL
     assert not coord.metrics.synced()[0]
-    for r in engine.ranks:  # the newest anchor (5) is staged everywhere
-        r.ready = [5]
+    # the ranks wait for different anchors (rank 0 dropped the failed step): their queues
+    # share no prefix, but both reach anchor 10 from nothing
+    engine.ranks[0].ready, engine.ranks[1].ready = [10], [5, 6, 10]
     coord.tick()
-    assert consistent(engine) == {(5, 5)} and engine.version == "5"
+    assert consistent(engine) == {(10, 10)} and engine.version == "10"
     assert coord.held is None and engine.scheduler.pause_state is Pause.UNPAUSED
-    assert coord.holds[-1]["released_step"] == 5
+    assert coord.holds[-1]["released_step"] == 10
     assert coord.metrics.synced()[1]["coordinator"]["failing"] is False
 
 

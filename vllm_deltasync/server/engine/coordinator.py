@@ -12,8 +12,10 @@ broadcast itself raising or timing out, the engine core's own steps) is taken ba
 rank before the next batch (``deltasync_revert``), or, when some rank cannot take it back or
 the revert broadcast fails too, the engine holds (:meth:`Coordinator._hold`): no batch is
 scheduled, the weight version is ``inconsistent``, ``/synced`` answers 503 with the reason,
-every rank resyncs through the newest anchor, and scheduling resumes only after a switch that
-every rank applied and every rank then reports (same applied step and identity).
+every rank forgets its step and resyncs through an anchor (the newest one not on a chain
+through a step it failed, so possibly the next anchor the trainer publishes), and scheduling
+resumes only after a switch that every rank applied and every rank then reports (same applied
+step and identity).
 
 The commit broadcast comes after the weights, the prefix cache and the version label all are
 the new step: it only drops the ranks' undo. If it fails, the switch stands (nothing is taken
@@ -134,6 +136,21 @@ def common_ready(statuses: Sequence[Mapping[str, Any]]) -> tuple[int, str | None
             break
         common = (int(pairs[0][0]), pairs[0][1])
     return common
+
+
+def common_after_reset(statuses: Sequence[Mapping[str, Any]]) -> tuple[int, str | None] | None:
+    """While the engine holds and every rank forgot its applied step: the newest (step,
+    identity) every rank has ready, whatever else each staged before it. Each rank's chain
+    from nothing starts at an anchor and ends at that very manifest, so every rank ends on the
+    same weights (ranks that failed a step wait for different anchors, so their queues need
+    not share a prefix). None unless every rank reports no applied step."""
+    if not statuses or any(s.get("applied_step") is not None for s in statuses):
+        return None
+    common = set.intersection(*(set(_ready_pairs(s)) for s in statuses))
+    if not common:
+        return None
+    step, identity = max(common, key=lambda pair: pair[0])
+    return int(step), identity
 
 
 def common_ready_step(statuses: Sequence[Mapping[str, Any]]) -> int | None:
@@ -337,6 +354,8 @@ class Coordinator:
         if self._settle_pending():
             return
         found = common_ready(self.statuses)
+        if found is None and self.held is not None:
+            found = common_after_reset(self.statuses)
         if found is None:
             self._release_drain()
             return
@@ -652,4 +671,5 @@ class Coordinator:
 
 
 __all__ = ["FAILING_AFTER", "FAIL_APPLY_RPC_ENV", "FAIL_SWITCH_ENV", "SWITCH_EVERY_STEPS_ENV",
-           "CommitFailed", "Coordinator", "SwitchFailed", "SwitchHeld", "common_ready", "common_ready_step"]
+           "CommitFailed", "Coordinator", "SwitchFailed", "SwitchHeld", "common_after_reset",
+           "common_ready", "common_ready_step"]
