@@ -12,6 +12,8 @@ Scenarios:
   a plain tensor (a replica), and, with 4 ranks, a 2-D mesh (``Shard(0)``, ``Shard(1)``).
 * ``fail``: like ``tp`` with the test failpoint set on rank 1 at step 2; every rank records the
   error it gets and when, then keeps publishing (recovery by anchor).
+* ``placement``: step 0 with parameter ``w`` a plain tensor on rank 0 and a ``Shard(0)``
+  DTensor on rank 1 (every rank records its error), then steps 1 and 2 placed alike.
 
 Rank 0 saves the full model gathered **here only** (``full_tensor()``, test side) after every
 step as ``OUT/truth-<step>.safetensors``; every rank writes ``OUT/rank<r>.json`` (errors, times).
@@ -265,9 +267,42 @@ def tp(url: str, out: Path, args: argparse.Namespace, *, fail: bool = False) -> 
     return report
 
 
+def placement(url: str, out: Path, args: argparse.Namespace) -> dict:
+    """The ranks disagree on how ``w`` is held at step 0: every rank must raise, nothing commit."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.placement_types import Shard
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mesh = init_device_mesh("cpu", (world,))
+    full = {"w": torch.arange(24, dtype=torch.float32).view(6, 4),
+            "ok": torch.arange(10, dtype=torch.float32)}
+
+    def shard(t: torch.Tensor) -> torch.Tensor:  # even dim-0 shards, no communication
+        return DTensor.from_local(t.chunk(world)[rank].clone(), mesh, [Shard(0)], run_check=False)
+
+    report: dict = {"errors": []}
+    with DeltaPublisher(url, anchor_every=4, writer_token=WRITER, timeout_s=args.timeout) as pub:
+        for step in range(3):
+            params = {"ok": shard(full["ok"] + step)}
+            if step == 0 and rank == 0:
+                params["w"] = full["w"].clone()  # a plain tensor: "a replica written by rank 0"
+            else:
+                params["w"] = shard(full["w"] + step)
+            try:
+                pub.publish(step, params.items())
+            except PublishError as exc:
+                report["errors"].append({"step": step, "error": f"{type(exc).__name__}: {exc}"})
+            if rank == 0:
+                save_file({"w": (full["w"] + step).to(torch.bfloat16),
+                           "ok": (full["ok"] + step).to(torch.bfloat16)},
+                          str(out / f"truth-{step}.safetensors"))
+    return report
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("scenario", choices=["fsdp", "tp", "fail"])
+    ap.add_argument("scenario", choices=["fsdp", "tp", "fail", "placement"])
     ap.add_argument("url")
     ap.add_argument("out")
     ap.add_argument("--steps", type=int, default=6)
@@ -283,6 +318,8 @@ def main() -> int:
     try:
         if args.scenario == "fsdp":
             report = fsdp(args.url, out, args)
+        elif args.scenario == "placement":
+            report = placement(args.url, out, args)
         else:
             report = tp(args.url, out, args, fail=args.scenario == "fail")
         report["wall_s"] = time.monotonic() - started

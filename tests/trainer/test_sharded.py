@@ -228,6 +228,82 @@ def test_four_ranks_fsdp_x_tp_2d_mesh(tmp_path: Path) -> None:
     assert len(_folders_of(m, "dp_rep.weight")) == 2  # replicated over dp: written by dp rank 0
 
 
+@pytest.mark.distributed
+def test_ranks_holding_a_parameter_differently_fail_the_publish_on_every_rank(tmp_path: Path) -> None:
+    """``w`` a plain tensor on rank 0, a ``Shard(0)`` DTensor on rank 1: both ranks raise at
+    that call naming ``w`` and both placements, nothing of the step is committed, and the next
+    step (placed alike) is an anchor that reads back bit for bit."""
+    url, out = f"file://{tmp_path}/b", tmp_path / "out"
+    _torchrun(2, "placement", url, str(out), "--timeout", "20")
+    reports = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
+    for rank, report in enumerate(reports):
+        (error,) = report["errors"]
+        assert error["step"] == 0, error
+        assert error["error"].startswith(f"PublishError: step 0 (rank {rank}): not published, "
+                                         "tensor 'w': rank 0 holds it as a plain tensor (a replica, "
+                                         "written by rank 0), rank 1 as a DTensor with placements "
+                                         "(Shard(dim=0),) on a mesh of shape (2,)"), error
+    manifests = _check_every_step(url, out)
+    assert sorted(manifests) == [1, 2] and manifests[1].kind == "anchor"
+    assert not list((tmp_path / "b" / "data").glob(f"{0:012d}-*"))  # nothing of step 0 written
+
+
+def _part(store: Any, step: int, writer: str, attempt: str, name: str = "w") -> Manifest:
+    """One rank's files and part record (rank = the attempt's last 4 hex digits)."""
+    from vllm_deltasync._loop import default_loop
+    from vllm_deltasync.format.writer import StepItem, write_files
+    from vllm_deltasync.trainer.sharded import PART_NAME, folder, part_manifest
+
+    loop = default_loop()
+    rank = int(attempt[-4:], 16)
+    values = torch.full((4,), float(rank + 1)).to(torch.bfloat16)
+    item = StepItem(name, (8,), 4, None, values, None, Region(rank * 4, 1, 4, 4))
+    files, tensors = write_files(store, loop, step, "anchor", [item], codec="sparse-v2",
+                                 max_file_bytes=1 << 20, timeout_s=30, writer=writer, attempt=attempt)
+    template = Manifest(step, "anchor", None, step, 0.0, fingerprint([(name, (8,), "bfloat16")]), (), (),
+                        totals=None, run_id="0123456789abcdef", writer=writer)  # type: ignore[arg-type]
+    part = part_manifest(template, files, tensors)
+    loop.run(store.write(f"{folder(step, writer, attempt)}/{PART_NAME}", part.to_json()), 30)
+    return part
+
+
+@pytest.mark.parametrize("planted", ["extra-rank", "alias", "instead-of-rank-1", "stray-files", "garbage"])
+def test_a_planted_part_record_is_a_clear_error(tmp_path: Path, planted: str) -> None:
+    """A part record of no rank of the job (rank 5 of 2, a second name for rank 1, one in place
+    of a missing rank), one listing files outside its folder, or one that is not JSON: one
+    PublishError naming it, never a KeyError, nothing committed."""
+    from vllm_deltasync._loop import default_loop
+    from vllm_deltasync.errors import PublishError
+    from vllm_deltasync.stores import open_store
+    from vllm_deltasync.trainer.sharded import PART_NAME, collect_parts, folder
+
+    writer, session = "abcdef0123456789", "a1b2c3d4e5f6"
+    store, loop = open_store(f"file://{tmp_path}/b"), default_loop()
+    _part(store, 3, writer, f"{session}0000")
+    if planted != "instead-of-rank-1":
+        _part(store, 3, writer, f"{session}0001")
+    expect = "is a record of no rank of this job"
+    if planted in ("extra-rank", "instead-of-rank-1"):
+        _part(store, 3, writer, f"{session}0005")
+    elif planted == "alias":
+        _part(store, 3, writer, f"{session}00001")
+    elif planted == "stray-files":  # rank 1's record rewritten to list rank 0's file
+        path = f"{folder(3, writer, session + '0001')}/{PART_NAME}"
+        doc = json.loads(loop.run(store.read(path), 30))
+        doc["files"][0]["path"] = doc["files"][0]["path"].replace(f"{session}0001", f"{session}0000")
+        loop.run(store.write(path, json.dumps(doc).encode(), overwrite=True), 30)
+        expect = "outside its folder; it is not this job's"
+    else:
+        path = f"{folder(3, writer, session + '0001')}/{PART_NAME}"
+        loop.run(store.write(path, b"not json", overwrite=True), 30)
+        expect = "step 3 is not committed: data/"
+    with pytest.raises(PublishError, match=expect) as err:
+        loop.run(collect_parts(store, 3, writer, session, 2, timeout_s=2), 30)
+    assert "\n" not in str(err.value)
+    assert not (tmp_path / "b" / "manifests").exists()
+    loop.run(store.close(), 30)
+
+
 @pytest.fixture
 def one_rank(tmp_path: Path) -> Any:
     """A one-process gloo job in this process (world size 1), torn down afterwards."""

@@ -28,7 +28,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -53,7 +53,7 @@ from vllm_deltasync.format.manifest import (
     Totals,
     fingerprint,
 )
-from vllm_deltasync.format.writer import StepItem, retain, write_files, write_step
+from vllm_deltasync.format.writer import StepItem, commit_manifest, retain, write_files, write_step
 from vllm_deltasync.stores import Store, open_store
 from vllm_deltasync.trainer import sharded
 
@@ -114,6 +114,7 @@ class DeltaPublisher:
         run_id: str | None = None,
         writer_token: str | None = None,
         format_version: int = SCHEMA_VERSION,
+        resumed_from: int | None = None,
     ) -> None:
         """
         Args:
@@ -141,6 +142,12 @@ class DeltaPublisher:
             format_version: 3 (default: version 2 with the manifest's tensor table deflated,
                 ~5x smaller; read from vllm-deltasync 0.4.0), 2 (for 0.2.x-0.3.x readers) or
                 1 (for readers older than 0.2.0: no writer token, no ranged reads).
+            resumed_from: a trainer restarted from a checkpoint: the training step of that
+                checkpoint, recorded on the first anchor this publisher commits (informative).
+                The restart flow needs nothing else: a new publisher always starts with an
+                anchor, at a step number after every committed one (:attr:`next_step`), and
+                servers follow identities, never applying a delta onto other weights
+                (docs/trainer.md, "Restarting a trainer").
         """
         _check_options(anchor_every, keep_anchors, max_file_bytes, max_pending_steps)
         if format_version not in (1, 2, 3):
@@ -161,6 +168,11 @@ class DeltaPublisher:
             if token is not None and not re.fullmatch(r"[0-9a-f]{8,64}", token):
                 raise ConfigError(f"DeltaPublisher: {label}={token!r} must be 8-64 lowercase hex digits")
         self.format_version = format_version
+        if resumed_from is not None and (isinstance(resumed_from, bool)
+                                         or not isinstance(resumed_from, int) or resumed_from < 0):
+            raise ConfigError(f"DeltaPublisher: resumed_from={resumed_from!r} must be a training "
+                              "step (an integer >= 0)")
+        self.resumed_from = resumed_from
         self._explicit_tokens = (run_id is not None, writer_token is not None)
         self._group: sharded.RankGroup | None = None
         self.run_id = run_id or secrets.token_hex(8)
@@ -185,6 +197,9 @@ class DeltaPublisher:
         self._failed = False
         self._closed = False
         self._kinds: dict[int, tuple[str, frozenset[str], str | None]] = {}
+        self._ids: dict[int, str] = {}
+        """Upload thread: identities of the steps this publisher committed (a delta names its
+        base's, ``Manifest.base_id``); the last few only."""
         self._seen_step = self._last_step  # newest step checked for another writer
         self._unreadable: set[int] = set()  # newer manifests that do not read: skipped, reported once
         self._queue: queue.Queue[_Job | None] = queue.Queue(maxsize=max_pending_steps)
@@ -307,9 +322,10 @@ class DeltaPublisher:
                 raise PublishError(f"step {step}: no tensors given; pass model.named_parameters()")
             self._check_same_set(step, meta)
             fp = fingerprint((name, shape, "bfloat16") for name, (shape, _) in meta.items())
+            fp += "/" + sharded.placement_digest(shards)  # ranks holding a parameter differently
         except Exception as exc:
             local_error = exc
-        self._agree(step, fp, local_error)
+        self._agree(step, fp, local_error, shards)
         self._meta = meta
         snapshot = {name: _to_host_bf16(s.local) for name, s in shards.items() if s.local is not None}
         job = self._make_job(step, snapshot, {name: s.blocks for name, s in shards.items()})
@@ -318,14 +334,21 @@ class DeltaPublisher:
         self.stats.diff_s += job.diff_s
         self._queue.put(job)
 
-    def _agree(self, step: int | None, fp: str | None, local_error: BaseException | None) -> None:
-        """Every rank learns every rank's error, step and parameter set; all raise or none does."""
+    def _agree(self, step: int | None, fp: str | None, local_error: BaseException | None,
+               shards: Mapping[str, sharded.LocalShard] | None = None) -> None:
+        """Every rank learns every rank's error, step, parameter set and placements; all raise
+        or none does."""
         assert self._group is not None
         own = local_error or self._error
         what = f"step {step}" if step is not None else "flush/close"
         records = self._group.gather((step, fp, None if own is None else f"{type(own).__name__}: {own}"),
                                      what)
         problems = [(r, msg) for r, (_, _, msg) in enumerate(records) if msg]
+        placements_only = (step is not None and shards is not None and len({s for s, _, _ in records}) == 1
+                           and len({(f or "").split("/")[0] for _, f, _ in records}) == 1)
+        if not problems and len({(s, f) for s, f, _ in records}) > 1 and placements_only:
+            assert step is not None and shards is not None
+            problems = [(-1, sharded.placement_disagreement(self._group, step, shards))]
         if not problems and len({(s, f) for s, f, _ in records}) > 1:
             problems = [(-1, f"the ranks disagree on the step or parameter set: steps "
                              f"{sorted({s for s, _, _ in records if s is not None})}; every rank "
@@ -341,6 +364,13 @@ class DeltaPublisher:
         rank, msg = problems[0]
         who = "" if rank < 0 else f"rank {rank} failed: "
         raise PublishError(f"{what} (rank {self._group.rank}): not published, {who}{msg}")
+
+    @property
+    def next_step(self) -> int:
+        """The smallest step number :meth:`publish` takes now: one after the newest step
+        published, or after the newest committed in the bucket when this publisher started
+        (a restarted trainer publishes there: committed step numbers are never reused)."""
+        return 0 if self._last_step is None else self._last_step + 1
 
     @property
     def last_step(self) -> int | None:
@@ -454,6 +484,7 @@ class DeltaPublisher:
                     job.fingerprint, job.totals, job.items, codec=self.codec,
                     max_file_bytes=self.max_file_bytes, timeout_s=self.timeout_s,
                     version=self.format_version, run_id=self.run_id, writer=self.writer_token,
+                    base_id=self._base_id(job), resumed_from=self._resumed_from(job),
                 )
         except AlreadyExistsError as exc:
             other = self._run(self._writer_of(job.step)) if v2 else None
@@ -465,6 +496,10 @@ class DeltaPublisher:
             if other is not None and other[0] != self.writer_token:
                 raise PublishError(self._conflict(job.step, other))
         self._seen_step = job.step
+        if manifest.identity is not None:
+            self._ids[job.step] = manifest.identity
+            while len(self._ids) > 8:
+                del self._ids[min(self._ids)]
         tokens = frozenset(f.path.rsplit("/", 1)[0] for f in manifest.files)
         self._kinds[job.step] = (job.kind, tokens, manifest.writer)
         if job.kind == "anchor":
@@ -509,10 +544,29 @@ class DeltaPublisher:
             return None
         parts = self._run(sharded.collect_parts(self._store, job.step, self.writer_token,
                                                 group.session, group.world, self.timeout_s))
-        manifest = sharded.merge_parts(parts, job.totals)
+        manifest = replace(sharded.merge_parts(parts, job.totals), base_id=self._base_id(job),
+                           resumed_from=self._resumed_from(job))
         self._run(self._check_alone(job.step))
-        self._run(self._store.write(manifest_path(job.step), manifest.to_json()))
-        return manifest
+        return commit_manifest(self._store, self._loop, manifest, self.timeout_s)
+
+    def _base_id(self, job: _Job) -> str | None:
+        """Upload thread: the identity of the manifest a delta job was computed from (format
+        v2+; v1 has no identities). Its base is always the step this publisher committed
+        just before (a failed commit makes the next job an anchor and drops queued deltas)."""
+        if job.kind != "delta" or self.format_version < 2:
+            return None
+        assert job.base_step is not None
+        base_id = self._ids.get(job.base_step)
+        if base_id is None:
+            raise PublishError(f"step {job.step}: its base step {job.base_step} was not committed "
+                               "by this publisher; the next step is an anchor")
+        return base_id
+
+    def _resumed_from(self, job: _Job) -> int | None:
+        """The first anchor of a restarted trainer records the checkpoint it resumed from."""
+        if job.kind != "anchor" or self.resumed_from is None or self._ids:
+            return None
+        return self.resumed_from
 
     def _abort(self, job: _Job, why: str) -> None:
         """Sharded: this rank will write no part for ``job``; best effort, never raises."""

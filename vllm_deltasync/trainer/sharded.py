@@ -24,18 +24,20 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime
+import hashlib
 import math
 import os
+import re
 import secrets
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from itertools import product
 from typing import Any
 
 import torch
 
-from vllm_deltasync.errors import PublishError
+from vllm_deltasync.errors import FormatError, PublishError
 from vllm_deltasync.format.layout import DATA_DIR, STEP_DIGITS
 from vllm_deltasync.format.manifest import (
     Chunk,
@@ -76,6 +78,8 @@ class LocalShard:
     """This rank's piece (a view, not a copy), or None when another rank writes it."""
     blocks: tuple[Region, ...]
     """Where the local piece lies in the full tensor, in the local piece's flat order."""
+    placement: str = "a plain tensor (a replica, written by rank 0)"
+    """How this rank holds it, in words (every rank of the job must say the same)."""
 
 
 def blocks(shape: Sequence[int], local: Sequence[int], offset: Sequence[int]) -> tuple[Region, ...]:
@@ -132,8 +136,9 @@ def describe(name: str, tensor: torch.Tensor, rank: int) -> LocalShard:
     mesh = tensor.device_mesh
     coord = mesh.get_coordinate()
     shape = tuple(tensor.shape)
+    how = f"a DTensor with placements {placements} on a mesh of shape {tuple(mesh.shape)}"
     if coord is None:  # this rank is not on the parameter's mesh
-        return LocalShard(name, shape, tensor.dtype, None, ())
+        return LocalShard(name, shape, tensor.dtype, None, (), how)
     writes = all(c == 0 for c, p in zip(coord, placements, strict=True) if type(p) is Replicate)
     local_shape, offset = compute_local_shape_and_global_offset(shape, mesh, placements)
     local = tensor.to_local()
@@ -141,7 +146,32 @@ def describe(name: str, tensor: torch.Tensor, rank: int) -> LocalShard:
         raise PublishError(f"tensor {name!r}: its local shard is {list(local.shape)}, its placements "
                            f"{placements} say {list(local_shape)}; it cannot be placed in the checkpoint")
     return LocalShard(name, shape, tensor.dtype, local if writes else None,
-                      blocks(shape, local_shape, offset) if writes else ())
+                      blocks(shape, local_shape, offset) if writes else (), how)
+
+
+def placement_digest(shards: Mapping[str, LocalShard]) -> str:
+    """A short digest of how this rank holds every parameter (exchanged in the agreement
+    record: ranks that hold one parameter differently must not commit anything)."""
+    digest = hashlib.sha256()
+    for name in sorted(shards):
+        digest.update(f"{name}\0{shards[name].placement}\0".encode())
+    return digest.hexdigest()[:16]
+
+
+def placement_disagreement(group: RankGroup, step: int, shards: Mapping[str, LocalShard]) -> str:
+    """Collective (every rank, after the digests differed): the first parameter the ranks hold
+    differently, named with two of its placements, as one line."""
+    everyone = group.gather({name: s.placement for name, s in shards.items()}, f"step {step}")
+    for name in sorted(everyone[0]):
+        seen = [(r, held.get(name, "nothing")) for r, held in enumerate(everyone)]
+        other = next(((r, how) for r, how in seen if how != seen[0][1]), None)
+        if other is not None:
+            return (f"tensor {name!r}: rank 0 holds it as {seen[0][1]}, rank {other[0]} as "
+                    f"{other[1]}; every rank passes each parameter the same way (all DTensors "
+                    f"with the same placements, or all plain tensors). Step {step} is not "
+                    "published on any rank")
+    return (f"the ranks hold their parameters differently (placements) at step {step}; every "
+            "rank passes each parameter the same way. Nothing is published")
 
 
 # ---------------------------------------------------------------------------- the group
@@ -224,9 +254,38 @@ def failpoint(rank: int, step: int) -> None:
                            "writing its data files")
 
 
+_RANK_SUFFIX = re.compile(r"[0-9a-f]{4,}")
+
+
+def _rank_of(suffix: str, world: int) -> int | None:
+    """The rank of a folder ``{session}{rank:04x}`` of this job, or None: not a name this job
+    writes (another width, out of range)."""
+    if not _RANK_SUFFIX.fullmatch(suffix):
+        return None
+    rank = int(suffix, 16)
+    return rank if rank < world and suffix == f"{rank:04x}" else None
+
+
+async def _read_part(store: Store, path: str, step: int, writer: str, folder_of: str) -> Manifest:
+    """A rank's part record, checked: parses, is of ``step`` and ``writer``, lists only files
+    in the rank's own folder. PublishError naming the path otherwise."""
+    try:
+        part = Manifest.from_json(await store.read(path), source=path)
+    except FormatError as exc:
+        raise PublishError(f"step {step} is not committed: {exc}") from exc
+    stray = [f.path for f in part.files if not f.path.startswith(folder_of + "/")]
+    if part.step != step or part.writer != writer or stray:
+        why = (f"lists {stray[0]}, outside its folder" if stray
+               else f"is of step {part.step}, writer {part.writer}")
+        raise PublishError(f"step {step} is not committed: the part record {path} {why}; it is "
+                           "not this job's (a planted or stale record); remove it")
+    return part
+
+
 async def collect_parts(store: Store, step: int, writer: str, session: str, world: int,
                         timeout_s: float) -> list[Manifest]:
-    """Every rank's part record of ``step``, rank order; PublishError on an abort or a timeout."""
+    """Every rank's part record of ``step``, rank order; PublishError on an abort, a timeout,
+    or a part or abort record that no rank of this job writes (planted, or a duplicate name)."""
     prefix = f"{DATA_DIR}/{step:0{STEP_DIGITS}d}-{writer}-{session}"
     deadline = time.monotonic() + timeout_s
     pause = 0.005
@@ -235,20 +294,23 @@ async def collect_parts(store: Store, step: int, writer: str, session: str, worl
         aborted: dict[int, str] = {}
         for o in await store.list(prefix):
             head, _, name = o.path.rpartition("/")
-            try:
-                rank = int(head[len(prefix):], 16)
-            except ValueError:
+            if name not in (ABORT_NAME, PART_NAME):
                 continue
-            if name == ABORT_NAME:
-                aborted[rank] = o.path
-            elif name == PART_NAME:
-                found[rank] = o.path
+            rank = _rank_of(head[len(prefix):], world)
+            if rank is None:
+                raise PublishError(
+                    f"step {step} is not committed: {o.path} is a record of no rank of this job "
+                    f"(world size {world}; rank folders are {prefix}<rank as 4 hex digits>); "
+                    "something else writes into this job's data folders: remove it and check "
+                    "that no other process uses this writer token")
+            (aborted if name == ABORT_NAME else found)[rank] = o.path
         if aborted:
             rank = min(aborted)
             why = (await store.read(aborted[rank])).decode("utf-8", "replace")
             raise PublishError(f"step {step} is not committed: rank {rank} failed: {why}")
         if len(found) == world:
-            return [Manifest.from_json(await store.read(found[r]), source=found[r]) for r in range(world)]
+            return [await _read_part(store, found[r], step, writer, found[r].rpartition("/")[0])
+                    for r in range(world)]
         if time.monotonic() > deadline:
             missing = sorted(set(range(world)) - set(found))
             raise PublishError(f"step {step} is not committed: ranks {missing[:8]} wrote no part "
@@ -292,4 +354,4 @@ def merge_parts(parts: list[Manifest], totals: tuple[int, int]) -> Manifest:
 
 
 __all__ = ["FAILPOINT_ENV", "LocalShard", "RankGroup", "blocks", "collect_parts", "describe",
-           "has_dtensor", "merge_parts"]
+           "has_dtensor", "merge_parts", "placement_digest", "placement_disagreement"]
