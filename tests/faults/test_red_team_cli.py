@@ -100,6 +100,56 @@ def test_newest_readable_walks_back_with_one_warning_per_skipped_manifest(
     assert all("\n" not in line for line in lines)
 
 
+def test_a_reader_and_a_following_server_skip_a_garbage_newest_manifest(
+        tmp_path: Path, garbage: str, caplog: pytest.LogCaptureFixture) -> None:
+    """The reader's newest step is the newest that reads, and a server that starts on a bucket
+    holding the garbage follows the newest readable step and every step published after it."""
+    from vllm_deltasync.config import SyncConfig
+    from vllm_deltasync.server.worker.poller import Poller
+
+    root, url = tmp_path / "b", f"file://{tmp_path}/b"
+    trainer = Trainer(seed=4)
+    caplog.set_level(logging.WARNING)
+    with DeltaPublisher(url, anchor_every=10) as pub:
+        for step in range(3):
+            trainer.step()
+            pub.publish(step, trainer.weights)
+        pub.flush()
+        _plant(root, garbage)
+        poller = Poller(SyncConfig(url=url, poll_interval_s=0.05),
+                        lambda m, patches: (patches, 0), applied_step=None)
+        poller.start()
+        try:
+            _wait(lambda: 2 in poller.state.ready_steps())
+            server_lines = [m for m in _skips(caplog) if m.startswith("deltasync rank=0")]
+            assert len(server_lines) == 1  # one line naming it, then set aside
+            for step in (3, 4):
+                trainer.step()
+                pub.publish(step, trainer.weights)
+            pub.flush()
+            _wait(lambda: 4 in poller.state.ready_steps())
+            status = poller.status()
+            assert status["newest_step"] == 4 and status["last_error"] is None, status
+            assert [m for m in _skips(caplog) if m.startswith("deltasync rank=0")] == server_lines
+        finally:
+            poller.close()
+
+    async def latest() -> int | None:
+        async with BucketReader.open(url) as reader:
+            return await reader.latest_step()
+
+    assert asyncio.run(latest()) == 4
+
+
+def _wait(done: Any, timeout_s: float = 20.0) -> None:
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while not done():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+
+
 def test_the_cli_survives_a_garbage_newest_manifest(tmp_path: Path, garbage: str,
                                                     capsys: pytest.CaptureFixture[str]) -> None:
     root, url = tmp_path / "b", f"file://{tmp_path}/b"

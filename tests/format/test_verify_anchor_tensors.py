@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.faults.conftest import write_doc
 from tests.format.conftest import Trainer, publish_run
 from vllm_deltasync import BucketReader
 from vllm_deltasync.cli import main
@@ -29,7 +30,7 @@ def _edit_delta(root: Path, step: int, *, rename: str | None = None,
                 f["index"][rename] = f["index"].pop(NAME)
     if shape is not None:
         entry["shape"] = shape
-    path.write_text(json.dumps(doc))
+    write_doc(root, step, json.dumps(doc).encode())  # step 3 names the edited bytes as its base
 
 
 @pytest.mark.parametrize(("edit", "line"), [

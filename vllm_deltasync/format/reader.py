@@ -30,6 +30,7 @@ from vllm_deltasync.errors import (
     IntegrityError,
     NotFoundError,
 )
+from vllm_deltasync.format._listing import newest_readable
 from vllm_deltasync.format.codec import TensorPatch
 from vllm_deltasync.format.codecs import decode_chunk
 from vllm_deltasync.format.coverage import SparseOrder, check_manifest
@@ -138,8 +139,11 @@ class BucketReader:
         return sorted(s for s in steps if s is not None and (after is None or s > after))
 
     async def latest_step(self) -> int | None:
-        steps = await self.list_steps()
-        return steps[-1] if steps else None
+        """The newest committed step whose manifest reads: an unreadable one (garbage under a
+        step's name, another step's manifest) is skipped with one warning line naming it
+        (format/_listing.py), never taken as the newest step."""
+        newest = await newest_readable(self, await self.list_steps())
+        return None if newest is None else newest[0]
 
     async def manifest(self, step: int, *, fresh: bool = False) -> Manifest:
         """The manifest of ``step`` (cached; ``fresh``: read from the bucket again, replacing
@@ -171,6 +175,12 @@ class BucketReader:
         if len(self._manifests) > _MANIFEST_CACHE:
             self._manifests.popitem(last=False)
         return m
+
+    def forget(self) -> None:
+        """Drop every cached manifest and remembered failure: the bucket's history changed
+        (a branch change), so step numbers may now name other manifests."""
+        self._manifests.clear()
+        self._failed.clear()
 
     # ------------------------------------------------------------------ chains
     async def plan(self, applied: Manifest | int | None, target: int | None = None, *,
@@ -545,6 +555,10 @@ def _chain_problems(m: Manifest, manifests: Mapping[int, Manifest]) -> list[str]
         return [f"step {m.step}: base step {m.base_step} is missing; the chain from anchor "
                 f"{m.anchor_step} is broken"]
     problems = []
+    if m.base_id is not None and base.identity is not None and m.base_id != base.identity:
+        problems.append(f"step {m.step}: names base {short_id(m.base_id)}, but step {base.step} "
+                        f"in the bucket is {short_id(base.identity)}; the chain was rewritten "
+                        "(a second writer, or a trainer restart that reused step numbers)")
     if base.anchor_step != m.anchor_step:
         problems.append(f"step {m.step}: chain says anchor {m.anchor_step}, base step {base.step} says {base.anchor_step}")
     if base.run_id != m.run_id:

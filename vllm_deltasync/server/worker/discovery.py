@@ -142,8 +142,8 @@ class StepWatcher:
         self.latest: int | None = None
         self.stride = 1
         self._listed_at: float | None = None
-        self._take_listing = False
-        """Set by :meth:`rewound`: the next listing may lower ``latest``."""
+        self._set_aside: set[int] = set()
+        """Listed steps whose manifest does not read (:meth:`set_aside`): never the latest."""
         self._wake = asyncio.Event()
         self._events_task: asyncio.Task[None] | None = None
         self._feed_live = False
@@ -177,10 +177,25 @@ class StepWatcher:
 
     def rewound(self) -> None:
         """The bucket went back (the reader found the applied step gone or rewritten: a
-        trainer restart, a wiped bucket): list again at the next round and take the listing's
-        newest step as the latest, even when it is older than the one seen so far."""
+        trainer restart, a wiped bucket): forget the newest step seen and list again at the
+        next round, so the listing's newest step is taken even when it is older."""
+        if self.latest is not None:
+            logger.warning("%s went back: forgetting step %d, listing again",
+                           self.store.url, self.latest)
+        self.latest = None
+        self.stride = 1
         self._listed_at = None
-        self._take_listing = True
+
+    def set_aside(self, step: int, newest: int | None) -> None:
+        """``step`` is listed but its manifest does not read (garbage under a step's name, a
+        format this release cannot read): it is never the latest step again; ``newest`` (the
+        newest readable step below it) is, and probing goes on from there."""
+        self._set_aside.add(step)
+        while len(self._set_aside) > 64:
+            self._set_aside.discard(max(self._set_aside))
+        if self.latest is None or self.latest >= step:
+            self.latest = newest
+            self.stride = 1
 
     async def close(self) -> None:
         if self._events_task is not None:
@@ -274,14 +289,8 @@ class StepWatcher:
         infos = await self.store.list(f"{MANIFEST_DIR}/")
         self._listed_at = time.monotonic()
         self._pace("api")
-        steps = sorted(s for s in (parse_manifest_path(i.path) for i in infos) if s is not None)
-        if self._take_listing:
-            self._take_listing = False
-            if self.latest is not None and (not steps or steps[-1] < self.latest):
-                logger.warning("%s went back: its newest step is %s, %d was seen before",
-                               self.store.url, steps[-1] if steps else "none", self.latest)
-                self.latest = None
-                self.stride = 1
+        steps = sorted(s for s in (parse_manifest_path(i.path) for i in infos)
+                       if s is not None and s not in self._set_aside)
         for step in steps[-2:]:
             self._note(step)
 
@@ -306,7 +315,7 @@ class StepWatcher:
             base, found = candidate, True
 
     def _note(self, step: int) -> None:
-        if self.latest is not None and step <= self.latest:
+        if step in self._set_aside or (self.latest is not None and step <= self.latest):
             return
         if self.latest is not None:
             self.stride = step - self.latest

@@ -34,6 +34,7 @@ from vllm_deltasync.errors import (
     IntegrityError,
     NotFoundError,
 )
+from vllm_deltasync.format._listing import newest_readable, skipped_line
 from vllm_deltasync.format.codec import TensorPatch
 from vllm_deltasync.format.manifest import Manifest
 from vllm_deltasync.format.reader import BucketReader, short_id
@@ -256,7 +257,14 @@ class Poller:
         if target is not None and self._backing_off([target]) is not None:
             return False
         if latest is not None and latest != self.state.newest_step():
-            newest = await self._guarded(self._reader.manifest(latest, fresh=True), "discover")
+            try:
+                newest = await self._guarded(self._reader.manifest(latest, fresh=True), "discover")
+            except NotFoundError:
+                self._watcher.rewound()  # gone since it was seen: list the bucket again
+                return True
+            except FormatError as exc:
+                await self._set_aside(latest, exc)
+                return True
             self.state.saw(latest, newest.created_at)
         else:
             self.state.saw(None, None)
@@ -290,6 +298,17 @@ class Poller:
                 manifest.step, manifest.kind, self.rank, staged.downloaded_bytes, staged.download_s,
             )
         return True
+
+    async def _set_aside(self, step: int, exc: FormatError) -> None:
+        """The newest listed step's manifest does not read (garbage under a step's name, a
+        format this release cannot read): it is never taken as the newest step, which would
+        hide every step published after it. The newest step that reads is followed instead;
+        each skipped manifest is reported once, by name."""
+        logger.warning("deltasync rank=%d: %s", self.rank,
+                       redact_text(skipped_line(self._reader, step, exc)))
+        steps = [s for s in await self._guarded(self._reader.list_steps(), "discover") if s < step]
+        newest = await self._guarded(newest_readable(self._reader, steps), "discover")
+        self._watcher.set_aside(step, None if newest is None else newest[0])
 
     async def _wait_for_room(self) -> None:
         assert self._room is not None
@@ -334,6 +353,7 @@ class Poller:
         if not now and clock < self._next_branch_check:
             return
         self._next_branch_check = clock + self.branch_check_s
+        bad = ""
         try:
             current: Manifest | None = await self._guarded(
                 self._reader.manifest(applied.step, fresh=True), "discover")
@@ -341,8 +361,6 @@ class Poller:
             current = None
         except FormatError as exc:
             current, bad = None, str(exc)
-        else:
-            bad = ""
         if current is not None and current.identity == applied.identity:
             return
         if current is None:
@@ -357,6 +375,7 @@ class Poller:
         if self.state.lost_branch(reason):
             self.stats.add_branch_change()
             self._bad.clear()
+            self._reader.forget()
             self._floor = None
             self._watcher.rewound()
             logger.warning("deltasync rank=%d %s", self.rank, redact_text(reason))
@@ -402,9 +421,23 @@ class Poller:
         except asyncio.CancelledError:
             raise
         except Exception as exc:
+            if isinstance(exc, IntegrityError) and await self._rewritten(manifest):
+                raise ChainError(
+                    f"step {manifest.step} ({short_id(manifest.identity)}) was replaced in the "
+                    "bucket while it was read (a trainer restart or another writer); planning "
+                    "again") from exc
             exc.add_note("stage=download")
             exc.add_note(f"step={manifest.step}")
             raise
+
+    async def _rewritten(self, manifest: Manifest) -> bool:
+        """A step whose data failed to read: is its manifest still the one planned with?
+        (Data of a removed or replaced step is gone; that is not a corrupt step.)"""
+        try:
+            current = await self._reader.manifest(manifest.step, fresh=True)
+        except Exception:  # noqa: BLE001 - gone or unreadable: replaced, plan again
+            return True
+        return current.identity != manifest.identity
 
 
 def open_node_store(config: SyncConfig, node_ranks: int) -> Store:
