@@ -396,7 +396,10 @@ class RankState:
                                          f"{staged.step} after {len(pieces)} pieces")
                     _synchronize(staged.payload)
                     written += n
-                    self.sync.mark_applied(staged.manifest)
+                    restart = self.sync.mark_applied(staged.manifest)
+                    if restart is not None:
+                        self.stats.add_branch_change()
+                        logger.warning("deltasync rank=%d %s", self.rank, restart)
                     kind = "anchor" if staged.manifest.kind == "anchor" else "delta"
                     self.stats.add_apply(kind, time.perf_counter() - t0, n)
                 t0 = time.perf_counter()

@@ -262,9 +262,21 @@ class SyncState(Generic[P]):
         self._room()
         return taken
 
-    def mark_applied(self, manifest: Manifest) -> None:
-        """``manifest`` is written into the weights: it is the new base of the chain."""
+    def mark_applied(self, manifest: Manifest) -> str | None:
+        """``manifest`` is written into the weights: it is the new base of the chain.
+
+        Returns a line to report when this switch left a branch the trainer abandoned: an
+        anchor of a restarted trainer (``resumed_from``) replaced steps after that checkpoint
+        (a lost branch, already reported when the poller found it, is not reported twice)."""
         with self._lock:
+            prior, _ = self._applied
+            restart = None
+            if (manifest.kind == "anchor" and manifest.resumed_from is not None
+                    and prior is not None and prior > manifest.resumed_from
+                    and self._branch is None):
+                restart = (f"branch changed: the trainer restarted from its checkpoint of step "
+                           f"{manifest.resumed_from} (anchor {manifest.step}); steps "
+                           f"{manifest.resumed_from + 1}-{prior} applied before are abandoned")
             self._applied = (manifest.step, manifest)
             if self._applying is not None and self._applying.step <= manifest.step:
                 self._applying = None
@@ -272,6 +284,7 @@ class SyncState(Generic[P]):
                 self._branch = None  # back on the chain the bucket holds
             self._resync = self._branch is not None
             self._staged = [s for s in self._staged if s.step > manifest.step]
+        return restart
 
     def switched(self, pending: PendingSwitch, last_apply: dict[str, Any]) -> None:
         """A switch was written on this rank; its undo is kept until :meth:`commit`."""
