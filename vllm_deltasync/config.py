@@ -98,8 +98,10 @@ class SyncConfig:
     ``on``; ``off`` (every rank follows alone)."""
 
     node_cache_dir: str = ""
-    """Where that cache lives; empty: ``/dev/shm/vllm-deltasync`` (RAM), or the system temp
-    folder where there is no ``/dev/shm``."""
+    """Where that cache lives; empty: ``/dev/shm/vllm-deltasync-<uid>`` (RAM, one per user), or
+    ``<system temp folder>/vllm-deltasync-<uid>`` where there is no ``/dev/shm``. The directory
+    must be private to the user running the server: created 0700, and refused at start when it
+    is owned by someone else, open to group or others, or a symlink (stores/nodecache.py)."""
 
     cpu_kernels: str = "packed"
     """CPU build only (no effect on GPUs): how linear layers compute while following

@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from vllm_deltasync._urls import redact_url
+from vllm_deltasync._urls import check_bucket_url, redact_url
 from vllm_deltasync.errors import ConfigError, DeltaSyncError, FormatError, IntegrityError
 from vllm_deltasync.format._listing import newest_readable
 from vllm_deltasync.format.manifest import Manifest
@@ -65,7 +65,9 @@ def _step_row(m: Manifest) -> dict[str, Any]:
 
 def check_source(url: str) -> None:
     """A ``file://`` (or bare path) bucket that does not exist is an error, not an empty
-    bucket: ``inspect``, ``verify`` and ``import-trl`` say so instead of "ok: 0 steps"."""
+    bucket: ``inspect``, ``verify`` and ``import-trl`` say so instead of "ok: 0 steps".
+    A malformed URL or one carrying credentials is refused first, without echoing it."""
+    check_bucket_url(url)
     if "://" in url and not url.startswith("file://"):
         return
     path = Path(url.removeprefix("file://"))
