@@ -60,6 +60,18 @@ def test_failing_rank_and_json(replica: tuple[metrics.SyncMetrics, str]) -> None
     assert row["error"] == "IntegrityError@rank1" and row["unreachable"] is None
 
 
+def test_a_lost_branch_is_shown_and_unhealthy(replica: tuple[metrics.SyncMetrics, str]) -> None:
+    m, address = replica
+    lost = rank(1, 3, 3)
+    lost["branch_lost"] = "branch changed: step 3 was rewritten in the bucket"
+    m.update([rank(0, 3, 3), lost])
+    code, out = run(address)
+    assert code == 3 and out.rstrip().endswith("error=- branch=lost@rank1")
+    m.update([rank(0, 3, 3), rank(1, 3, 3)])
+    code, out = run(address)
+    assert code == 0 and "branch=" not in out
+
+
 def test_unreachable_and_foreign_endpoints(replica: tuple[metrics.SyncMetrics, str]) -> None:
     _, address = replica  # nothing gathered yet: no per-rank series
     dead = f"127.0.0.1:{free_port()}"

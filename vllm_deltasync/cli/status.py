@@ -12,8 +12,11 @@ otherwise reach the host name lookup; the metrics endpoint takes no credentials)
 shown. A replica with
 tensor parallelism reports one series per rank: the line shows its worst rank (lowest applied
 step, most steps behind) and the error of a rank whose last attempt failed
-(``error=IntegrityError@rank1``). Exit status: 0 all fine, 1 a server unreachable or exposing no
-deltasync metrics, 3 a replica failing or more than ``--max-steps-behind`` steps behind.
+(``error=IntegrityError@rank1``), and ``branch=lost@rank0`` while a rank's applied step left the
+bucket's chain (a trainer restart that reused step numbers, a wiped bucket: it resyncs through
+the newest anchor). Exit status: 0 all fine, 1 a server unreachable or exposing no deltasync
+metrics, 3 a replica failing, on a lost branch, or more than ``--max-steps-behind`` steps
+behind.
 """
 
 from __future__ import annotations
@@ -51,6 +54,8 @@ class ReplicaStatus:
     ranks: int = 0
     error: str | None = None
     """``<reason>@rank<N>`` of a failing rank, None when no rank is failing."""
+    branch_lost: str | None = None
+    """``rank<N>`` of a rank whose applied step left the bucket's chain (resyncing), else None."""
     unreachable: str | None = None
     """Why the metrics could not be read; the other fields are then empty."""
 
@@ -60,7 +65,8 @@ class ReplicaStatus:
         lag = "-" if self.seconds_behind is None else f"{self.seconds_behind:.1f}s"
         return (f"{self.url}  applied={_show(self.applied_step)} newest={_show(self.newest_step)} "
                 f"behind={_show(self.steps_behind)} lag={lag} ranks={self.ranks} "
-                f"error={self.error or '-'}")
+                f"error={self.error or '-'}"
+                + (f" branch=lost@{self.branch_lost}" if self.branch_lost else ""))
 
 
 def _show(value: int | None) -> str:
@@ -118,6 +124,7 @@ def _summarize(url: str, per_rank: dict[str, dict[str, float]],
             for r in per_rank.values()
             if {"newest_publish_timestamp_seconds", "applied_publish_timestamp_seconds"} <= set(r)]
     failing = sorted(rank for rank, r in per_rank.items() if r.get("failing", 0) > 0)
+    lost = sorted(rank for rank, r in per_rank.items() if r.get("branch_lost", 0) > 0)
     error = None
     if failing:
         rank = failing[0]
@@ -130,6 +137,7 @@ def _summarize(url: str, per_rank: dict[str, dict[str, float]],
         seconds_behind=max(lags) if lags else None,
         ranks=len(per_rank),
         error=error,
+        branch_lost=f"rank{lost[0]}" if lost else None,
     )
 
 
@@ -162,7 +170,7 @@ def exit_status(rows: Sequence[ReplicaStatus], max_steps_behind: int | None) -> 
         return EXIT_UNREACHABLE
     for r in rows:
         too_far = max_steps_behind is not None and (r.steps_behind or 0) > max_steps_behind
-        if r.error is not None or too_far:
+        if r.error is not None or r.branch_lost is not None or too_far:
             return EXIT_UNHEALTHY
     return 0
 

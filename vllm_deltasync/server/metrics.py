@@ -124,7 +124,8 @@ _COUNTERS: tuple[tuple[str, str, str, tuple[str, ...]], ...] = (
     ("applied_steps", "applied_steps", "Steps applied by the rank.", ("rank", "kind")),
     ("changed_elements", "changed_elements", "Parameter elements written by the rank.", _R),
     ("branch_changes", "branch_changes",
-     "Times the rank found its applied step gone from the bucket's chain (see branch_lost).", _R),
+     "Branch changes seen by the rank: its applied step gone from the bucket's chain (see "
+     "branch_lost), or a restarted trainer's anchor replacing steps after its checkpoint.", _R),
     ("failures", "failures", "Failed attempts by stage and error class.",
      ("rank", "stage", "reason")),
     ("store_requests", "store_requests",
