@@ -47,7 +47,7 @@ import functools
 import logging
 import os
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
@@ -908,21 +908,46 @@ def _start_coordinator(engine: Any, *, in_process: bool = False) -> Any:
     from vllm.v1.core.sched.interface import PauseState
     from vllm.v1.engine import EngineCoreRequestType
 
+    refuse = _unsupported_layout(engine.vllm_config)
+    additional = engine.vllm_config.additional_config
     try:
-        config = SyncConfig.from_sources(engine.vllm_config.additional_config, os.environ)
+        config = SyncConfig.from_sources(additional, os.environ)
     except DeltaSyncError as exc:
-        if not is_configured(engine.vllm_config.additional_config, os.environ):
+        if not is_configured(additional, os.environ):
             logger.warning("deltasync: %s; the engine serves its checkpoint only", exc)
             return None
-        raise
+        # A bad setting (a misspelt VLLM_DELTASYNC_* variable, a value out of range) must not
+        # kill the engine core after its start was reported (the caller would wait forever):
+        # the engine serves its checkpoint and /synced says why.
+        refuse = f"invalid deltasync configuration: {type(exc).__name__}: {exc}"
+        config = _refusal_config(additional, os.environ)
     config = _engine_config(config, engine.vllm_config)
 
     def wake() -> None:
         engine.input_queue.put_nowait((EngineCoreRequestType.WAKEUP, _TICK))
 
     coord = Coordinator(engine, config, wake=None if in_process else wake, pause_states=PauseState)
-    coord.start(refuse=_unsupported_layout(engine.vllm_config))
+    coord.start(refuse=refuse)
     return coord
+
+
+def _refusal_config(additional_config: Any, environ: Mapping[str, str]) -> SyncConfig:
+    """The settings of a coordinator that only refuses, the configuration being invalid: the
+    metrics endpoint on the port the user asked for where that much parses (else the default),
+    so that ``/synced`` answers 503 with the reason."""
+    section = (additional_config or {}).get("deltasync") if isinstance(additional_config, Mapping) else None
+    section = section if isinstance(section, Mapping) else {}
+    port = SyncConfig.metrics_port
+    for raw in (environ.get("VLLM_DELTASYNC_METRICS_PORT"), section.get("metrics_port")):
+        with contextlib.suppress(TypeError, ValueError):
+            if raw is not None and raw != "" and 0 <= int(raw) <= 65535:
+                port = int(raw)
+                break
+    for url in (environ.get("VLLM_DELTASYNC_URL"), section.get("url")):
+        with contextlib.suppress(DeltaSyncError, TypeError):
+            if url:
+                return SyncConfig(url=str(url), metrics_port=port)
+    return SyncConfig(url="file:///invalid-deltasync-configuration", metrics_port=port)
 
 
 __all__ = [
