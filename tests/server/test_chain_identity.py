@@ -13,106 +13,19 @@ from __future__ import annotations
 
 import shutil
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
 
+from tests.server._follow import Follower, Weights, _copy, _publish, _train, _weights
 from vllm_deltasync import DeltaPublisher
-from vllm_deltasync.config import SyncConfig
 from vllm_deltasync.errors import ChainError
 from vllm_deltasync.format.layout import manifest_path
 from vllm_deltasync.format.manifest import dump_document, load_document, manifest_identity
-from vllm_deltasync.server.worker.poller import Poller
 from vllm_deltasync.server.worker.rank import _check_chain
 from vllm_deltasync.server.worker.state import StagedStep
-
-Weights = dict[str, torch.Tensor]
-
-
-def _weights(seed: int) -> Weights:
-    g = torch.Generator().manual_seed(seed)
-    return {"w": (torch.randn(64, 48, generator=g) * 0.02).bfloat16(),
-            "b": (1 + 0.1 * torch.randn(96, generator=g)).bfloat16()}
-
-
-def _train(w: Weights, g: torch.Generator) -> None:
-    for t in w.values():
-        bits = t.view(torch.int16).reshape(-1)
-        bits[torch.rand(bits.numel(), generator=g) < 0.05] += 1
-
-
-def _copy(w: Weights) -> Weights:
-    return {k: v.clone() for k, v in w.items()}
-
-
-def _publish(pub: DeltaPublisher, w: Weights, g: torch.Generator, steps: range,
-             truth: dict[int, Weights]) -> None:
-    for step in steps:
-        _train(w, g)
-        pub.publish(step, _copy(w).items())
-        pub.flush()
-        truth[step] = _copy(w)
-
-
-def _patches(manifest: Any, patches: list[Any]) -> tuple[list[Any], int]:
-    return patches, sum(p.values.numel() * p.values.element_size() for p in patches)
-
-
-class Follower:
-    """A rank without vLLM: the real poller, the rank's chain check, live tensors."""
-
-    def __init__(self, url: str, live: Weights, **options: Any) -> None:
-        cfg = SyncConfig(url=url, poll_interval_s=0.05, **options)
-        self.poller = Poller(cfg, _patches, applied_step=cfg.loaded_step)  # as RankState does
-        self.poller.branch_check_s = 0.3
-        self.live = live
-        self.applied: list[tuple[int, str | None]] = []
-
-    @property
-    def state(self) -> Any:
-        return self.poller.state
-
-    def apply_ready(self) -> None:
-        ready = self.state.ready_steps()
-        if not ready:
-            return
-        before = self.state.applied
-        taken: list[StagedStep[Any]] = self.state.take(ready[-1])
-        _check_chain(0, before, taken, taken[-1].manifest.identity)  # raises: never across
-        for staged in taken:
-            for p in staged.payload:
-                p.apply_to(self.live[p.name].view(-1))
-            self.state.mark_applied(staged.manifest)
-            self.applied.append((staged.step, staged.manifest.identity))
-
-    def follow_until(self, done: Callable[[], bool], timeout_s: float = 30.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        while not done():
-            assert time.monotonic() < deadline, f"timed out; status {self.poller.status()}"
-            self.apply_ready()
-            time.sleep(0.02)
-
-    def at(self, step: int, truth: Weights) -> bool:
-        return self.state.applied_step == step and all(
-            torch.equal(self.live[k], truth[k]) for k in truth)
-
-
-@pytest.fixture
-def follower_factory() -> Iterator[Callable[..., Follower]]:
-    made: list[Follower] = []
-
-    def make(url: str, live: Weights, **options: Any) -> Follower:
-        f = Follower(url, live, **options)
-        f.poller.start()
-        made.append(f)
-        return f
-
-    yield make
-    for f in made:
-        f.poller.close()
 
 
 def _remove_steps(root: Path, steps: list[int]) -> None:
@@ -163,7 +76,8 @@ def test_documented_restart_publishes_an_anchor_at_the_next_free_step(
         tmp_path: Path, follower_factory: Callable[..., Follower]) -> None:
     """The README's flow: nothing is removed; the restarted trainer opens a new publisher,
     which starts with an anchor at ``next_step`` and records the checkpoint it resumed from.
-    The server follows through that anchor with no branch change to report."""
+    The server follows through that anchor and counts one branch change (it had applied
+    steps 2-3 of the abandoned run); nothing was lost, so it is never unsynced for it."""
     url = f"file://{tmp_path}/bucket"
     a = _run_a(url, {})
     f = follower_factory(url, {k: torch.zeros_like(v) for k, v in a[0].items()})
@@ -179,7 +93,8 @@ def test_documented_restart_publishes_an_anchor_at_the_next_free_step(
     reader_doc = load_document((tmp_path / "bucket" / manifest_path(4)).read_bytes())
     assert reader_doc["kind"] == "anchor" and reader_doc["resumed_from"] == 1
     assert first is not None and first.step == 6 and first.base_id is not None
-    assert f.poller.status()["counters"]["branch_changes"] == 0
+    status = f.poller.status()
+    assert status["counters"]["branch_changes"] == 1 and status["branch_lost"] is None
 
 
 def test_wiped_bucket_and_new_run_from_zero_is_followed(

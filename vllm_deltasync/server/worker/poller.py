@@ -101,6 +101,9 @@ class Poller:
             retry_policy=getattr(self._reader.store, "retry_policy", None),
         )
         self._floor: int | None = None
+        self._unplannable: int | None = None
+        """The newest step, whose chain did not plan (ChainError): while it is the newest,
+        discovery looks for a newer step (the next anchor) before planning it again."""
         self._bad: dict[int, tuple[int, float]] = {}
         """Steps that failed verification -> (failures, monotonic time of the next try)."""
         self._reader.remember_failures_s = config.poll_interval_s
@@ -242,10 +245,15 @@ class Poller:
         base, generation = self.state.plan_base()
         tip = None if base is None else base.step
         after = tip if self._floor is None or (tip is not None and tip > self._floor) else self._floor
+        stuck = self._unplannable
+        probe = (stuck if stuck is not None and stuck == self._watcher.latest
+                 and (after is None or stuck > after) else after)
         target = await self._guarded(
-            self._watcher.wait_for_new(after=after, timeout_s=self.config.poll_interval_s),
+            self._watcher.wait_for_new(after=probe, timeout_s=self.config.poll_interval_s),
             "discover",
         )
+        if target is None and probe != after:
+            target = stuck  # nothing newer: plan it again (its error stays reported)
         latest = self._watcher.latest
         applied = self.state.applied_manifest()
         if (latest is not None and applied is not None and latest < applied.step
@@ -274,10 +282,20 @@ class Poller:
             plan = await self._guarded(
                 self._reader.plan(base, target, max_chain=self.config.max_chain), "discover")
         except ChainError:
+            self._unplannable = target
             await self._check_branch(now=True)  # a rewritten chain: is ours still there?
             raise
+        self._unplannable = None
         if plan and plan[0].kind == "anchor" and base is not None and base.identity is not None:
             await self._check_branch(now=True)  # through an anchor: say so if ours is gone
+        if plan and base is not None and plan[0].step <= base.step and base is not applied:
+            # planned from a staged step or the one being written, the bucket's chain now goes
+            # through an anchor at or below it (a second writer, a restart replaced it): drop
+            # what is staged and plan from the applied step once that switch ends; staged step
+            # numbers only increase (SyncState.take and mark_applied go by number)
+            self.state.drop_staged()
+            await asyncio.sleep(self.config.poll_interval_s)
+            return True
         if self._backing_off([m.step for m in plan]) is not None:
             return False  # a step on the chain failed verification; wait for its backoff or an anchor
         bad = self.state.failed_steps(m.step for m in plan)
