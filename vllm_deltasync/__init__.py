@@ -33,6 +33,7 @@ from vllm_deltasync.errors import (
     RateLimitedError,
     StoreError,
     TransientStoreError,
+    UnsupportedFormatError,
 )
 from vllm_deltasync.format.manifest import Manifest
 from vllm_deltasync.format.reader import BucketReader
@@ -71,6 +72,7 @@ __all__ = [
     "RateLimitedError",
     "StoreError",
     "TransientStoreError",
+    "UnsupportedFormatError",
     "__version__",
     "open_store",
 ]

@@ -11,6 +11,7 @@
     │   └── TransientStoreError     worth retrying: 5xx, dropped connection, timeout
     │       └── RateLimitedError    429; ``retry_after_s`` says when to come back
     ├── FormatError                 a manifest or data file is not what the format says
+    │   ├── UnsupportedFormatError  a format or codec version this release does not read
     │   ├── IntegrityError          size or sha256 of a data file does not match its manifest
     │   ├── FingerprintError        the bucket was written for another parameter set
     │   └── ChainError              a delta's base is missing, or not the step it applies on
@@ -65,6 +66,11 @@ class FormatError(DeltaSyncError, ValueError):
     """A manifest or data file does not follow the bucket format."""
 
 
+class UnsupportedFormatError(FormatError):
+    """A manifest of a format version or codec version this reader does not read: the reader
+    must be upgraded (never skipped as garbage: a server says it cannot follow)."""
+
+
 class IntegrityError(FormatError):
     """A data file's size or sha256 differs from what its manifest records."""
 
@@ -98,6 +104,7 @@ __all__ = [
     "NotFoundError",
     "PublishError",
     "RateLimitedError",
+    "UnsupportedFormatError",
     "StoreError",
     "TransientStoreError",
 ]

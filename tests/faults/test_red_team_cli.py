@@ -141,6 +141,37 @@ def test_a_reader_and_a_following_server_skip_a_garbage_newest_manifest(
     assert asyncio.run(latest()) == 4
 
 
+def test_a_server_reports_a_newer_format_instead_of_skipping_it(tmp_path: Path) -> None:
+    """Unlike garbage, a manifest of a format this release does not read is the trainer being
+    newer than the server: the server must say so (not synced, last_error naming the release
+    it needs), not quietly stay on the newest step it can read."""
+    from vllm_deltasync.config import SyncConfig
+    from vllm_deltasync.errors import UnsupportedFormatError
+    from vllm_deltasync.format.manifest import dump_document
+    from vllm_deltasync.server.worker.poller import Poller
+
+    root, url = tmp_path / "b", f"file://{tmp_path}/b"
+    publish_run(url, range(2), Trainer(seed=5), anchor_every=10)
+    doc = load_document((root / "manifests" / f"{1:012d}.json").read_bytes())
+    doc.update(step=2, schema_version=99, requires="vllm-deltasync>=9.0")
+    (root / "manifests" / f"{2:012d}.json").write_bytes(dump_document(doc))
+    with pytest.raises(UnsupportedFormatError, match="vllm-deltasync>=9.0"):
+        asyncio.run(_manifest(url, 2))
+    poller = Poller(SyncConfig(url=url, poll_interval_s=0.05),
+                    lambda m, patches: (patches, 0), applied_step=None)
+    poller.start()
+    try:
+        _wait(lambda: "vllm-deltasync>=9.0" in (poller.status()["last_error"] or ""))
+        assert poller.status()["newest_step"] != 1  # not taken as "the newest step is 1"
+    finally:
+        poller.close()
+
+
+async def _manifest(url: str, step: int) -> Any:
+    async with BucketReader.open(url) as reader:
+        return await reader.manifest(step)
+
+
 def _wait(done: Any, timeout_s: float = 20.0) -> None:
     import time
 

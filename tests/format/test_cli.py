@@ -58,8 +58,8 @@ def test_public_api_is_pinned() -> None:
         "AlreadyExistsError", "ApplyError", "AuthError", "BucketReader", "ChainError",
         "ConfigError", "DeltaPublisher", "DeltaSyncError", "DeltaSyncExtension",
         "FingerprintError", "FormatError", "IntegrityError", "Manifest", "NotFoundError",
-        "PublishError", "RateLimitedError", "StoreError", "TransientStoreError", "__version__",
-        "open_store",
+        "PublishError", "RateLimitedError", "StoreError", "TransientStoreError",
+        "UnsupportedFormatError", "__version__", "open_store",
     ]
     for name in vllm_deltasync.__all__:
         if name != "DeltaSyncExtension":  # resolved lazily; needs the extension module

@@ -23,7 +23,7 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal, TypeGuard
 
-from vllm_deltasync.errors import FormatError
+from vllm_deltasync.errors import FormatError, UnsupportedFormatError
 from vllm_deltasync.format.layout import manifest_path
 
 Kind = Literal["anchor", "delta"]
@@ -292,7 +292,7 @@ class Manifest:
                 doc = _expand(doc)
             return replace(_from_dict(doc), identity=manifest_identity(data))
         except FormatError as exc:
-            raise FormatError(f"{source}: {exc}") from exc
+            raise type(exc)(f"{source}: {exc}") from exc  # the class says what is wrong
         except (KeyError, TypeError, ValueError, OverflowError, RecursionError) as exc:
             raise FormatError(f"{source}: malformed manifest ({type(exc).__name__}: "
                               f"{str(exc)[:200]})") from None
@@ -465,7 +465,7 @@ def _from_dict(doc: Any) -> Manifest:
         raise FormatError(f"format is {doc.get('format')!r}, expected {FORMAT_NAME!r}")
     version = doc.get("schema_version")
     if version not in READS:
-        raise FormatError(_too_new(version, doc.get("requires")))
+        raise UnsupportedFormatError(_too_new(version, doc.get("requires")))
     step = _int(doc, "step")
     kind, base, anchor = _chain_fields(doc, step)
     files = tuple(_file_from_dict(f, version) for f in doc["files"])
@@ -653,7 +653,7 @@ def _check_codec(entry: TensorEntry, requires: Any) -> None:
         have = ", ".join(f"{n} v{c.version}" for n, c in sorted(CODECS.items()))
         hint = (f"the manifest says it needs {requires}" if isinstance(requires, str) and requires
                 else "upgrade vllm-deltasync")
-        raise FormatError(f"tensor {entry.name!r}: encoding {entry.encoding!r} version "
+        raise UnsupportedFormatError(f"tensor {entry.name!r}: encoding {entry.encoding!r} version "
                           f"{entry.codec_version} is unknown to this reader (it reads {have}); {hint}")
 
 

@@ -101,7 +101,7 @@ class BucketReader:
         self.remember_failures_s = 0.0
         """A manifest refused as malformed is refused again from memory, without a download,
         for this many seconds (0: read it again every time). The poller sets it."""
-        self._failed: dict[int, tuple[float, str]] = {}
+        self._failed: dict[int, tuple[float, str, type[FormatError]]] = {}
 
     @classmethod
     def open(cls, url: str, *, store_options: Mapping[str, Any] | None = None, **kw: Any) -> BucketReader:
@@ -154,7 +154,7 @@ class BucketReader:
             return cached
         failed = self._failed.get(step)
         if failed is not None and time.monotonic() < failed[0]:
-            raise FormatError(f"{failed[1]} (remembered; not downloaded again)")
+            raise failed[2](f"{failed[1]} (remembered; not downloaded again)")
         path = manifest_path(step)
         source = f"{self.store.url}/{path}"
         try:
@@ -167,7 +167,8 @@ class BucketReader:
                 raise FormatError(f"{source}: {exc}") from exc
         except FormatError as exc:
             if self.remember_failures_s > 0:
-                self._failed[step] = (time.monotonic() + self.remember_failures_s, str(exc))
+                self._failed[step] = (time.monotonic() + self.remember_failures_s, str(exc),
+                                      type(exc))
             exc.add_note(f"step={step}")
             raise
         self._failed.pop(step, None)

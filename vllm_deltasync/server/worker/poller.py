@@ -33,6 +33,7 @@ from vllm_deltasync.errors import (
     FormatError,
     IntegrityError,
     NotFoundError,
+    UnsupportedFormatError,
 )
 from vllm_deltasync.format._listing import newest_readable, skipped_line
 from vllm_deltasync.format.codec import TensorPatch
@@ -270,6 +271,8 @@ class Poller:
             except NotFoundError:
                 self._watcher.rewound()  # gone since it was seen: list the bucket again
                 return True
+            except UnsupportedFormatError:
+                raise  # a newer format than this release reads: reported, never skipped
             except FormatError as exc:
                 await self._set_aside(latest, exc)
                 return True
@@ -318,10 +321,11 @@ class Poller:
         return True
 
     async def _set_aside(self, step: int, exc: FormatError) -> None:
-        """The newest listed step's manifest does not read (garbage under a step's name, a
-        format this release cannot read): it is never taken as the newest step, which would
-        hide every step published after it. The newest step that reads is followed instead;
-        each skipped manifest is reported once, by name."""
+        """The newest listed step's manifest does not read (garbage under a step's name,
+        another step's manifest): it is never taken as the newest step, which would hide every
+        step published after it. The newest step that reads is followed instead; each skipped
+        manifest is reported once, by name. (A format this release does not read is not
+        skipped: the rank must say it cannot follow, see :class:`UnsupportedFormatError`.)"""
         logger.warning("deltasync rank=%d: %s", self.rank,
                        redact_text(skipped_line(self._reader, step, exc)))
         steps = [s for s in await self._guarded(self._reader.list_steps(), "discover") if s < step]
