@@ -191,3 +191,62 @@ def test_package_imports_without_vllm() -> None:
     proc = subprocess.run([sys.executable, "-W", "ignore", "-c", script], cwd=ROOT,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-4000:]
+
+
+#: folder -> the folders (and single modules) its code may import; "" is the package's top level
+#: (errors, config, _loop, _urls, ...). The data path reads downward: cli and trainer and server
+#: use format and stores; format uses stores; stores know nothing of the format but its names.
+ALLOWED_IMPORTS: dict[str, set[str]] = {
+    "stores": {"", "format/layout.py"},
+    "format": {"", "stores"},
+    "trainer": {"", "format", "stores"},
+    "server": {"", "format", "stores"},
+    "cli": {"", "format", "stores", "trainer"},
+}
+
+
+def _imports_of(path: Path) -> set[str]:
+    """Package modules ``path`` imports (anywhere in it), as paths relative to the package."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        names: list[str] = []
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = [node.module]
+        elif isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        for name in names:
+            parts = name.split(".")
+            if parts[0] != "vllm_deltasync" or len(parts) == 1:
+                continue
+            rest = parts[1:]
+            if (PACKAGE / Path(*rest)).is_dir():
+                found.add("/".join(rest) + "/")
+            else:
+                found.add("/".join(rest) + ".py")
+    return found
+
+
+def _against(rules: dict[str, set[str]]) -> list[str]:
+    wrong = []
+    for rel in sorted(package_modules(include_markers=True)):
+        folder = rel.split("/")[0] if "/" in rel else ""
+        if folder not in rules:
+            continue  # the top level re-exports lazily
+        allowed = rules[folder] | {folder}
+        for target in sorted(_imports_of(PACKAGE / rel)):
+            target_folder = target.split("/")[0] if "/" in target else ""
+            if target_folder not in allowed and target.rstrip("/") not in allowed:
+                wrong.append(f"{rel} imports {target}")
+    return wrong
+
+
+def test_imports_go_one_direction_between_folders() -> None:
+    wrong = _against(ALLOWED_IMPORTS)
+    assert not wrong, "imports against the direction in docs/architecture.md:\n" + "\n".join(wrong)
+
+
+def test_the_import_rule_catches_a_wrong_import() -> None:
+    """The scan itself: with stricter rules, the imports that exist are reported."""
+    assert "stores/nodecache.py imports format/layout.py" in _against({"stores": {""}})
+    assert any(line.startswith("server/") and "format/reader.py" in line
+               for line in _against({"server": {"", "stores"}}))
