@@ -147,3 +147,26 @@ def test_pacer_keeps_32_replicas_inside_the_free_tier(interval_s: float) -> None
     paced = _fleet_requests(5000, 300.0, interval_s, 32, pace=True)
     assert paced <= 5000  # no 429 for anyone (unpaced at 1 s: 9600)
     assert paced < unpaced
+
+
+def test_a_listing_slower_than_the_poll_interval_still_ends(
+    hub: Any, hf_store: Any, run: Any
+) -> None:
+    """Each ``wait_for_new`` call lasts one poll interval. A listing that takes longer (a slow
+    link, a long prefix) used to be cancelled at every deadline and started over, so discovery
+    never saw a step; now the next calls await the same listing until it ends."""
+    hub.faults.events_enabled = False
+
+    async def scenario() -> tuple[list[int | None], StepWatcher]:
+        await hf_store.write(manifest_path(7), b"{}")
+        hub.faults.api_delay_s = 0.6
+        watcher = StepWatcher(hf_store, probe_interval_s=0.1, listing_interval_s=600.0)
+        seen: list[int | None] = []
+        while len(seen) < 15 and (not seen or seen[-1] is None):
+            seen.append(await watcher.wait_for_new(None, timeout_s=0.2))
+        await watcher.close()
+        return seen, watcher
+
+    seen, watcher = run(scenario())
+    assert seen[-1] == 7 and seen[0] is None, seen  # calls ended before the listing did
+    assert watcher.stats.listings == 1  # one listing, awaited across calls, never restarted

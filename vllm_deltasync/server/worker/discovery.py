@@ -142,6 +142,8 @@ class StepWatcher:
         self.latest: int | None = None
         self.stride = 1
         self._listed_at: float | None = None
+        self._listing: asyncio.Future[None] | None = None
+        """The listing in flight (:meth:`_list`), awaited by rounds until it ends."""
         self._set_aside: set[int] = set()
         """Listed steps whose manifest does not read (:meth:`set_aside`): never the latest."""
         self._wake = asyncio.Event()
@@ -198,6 +200,11 @@ class StepWatcher:
             self.stride = 1
 
     async def close(self) -> None:
+        if self._listing is not None:
+            self._listing.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._listing
+            self._listing = None
         if self._events_task is not None:
             self._events_task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
@@ -285,6 +292,21 @@ class StepWatcher:
         return min(pause, max(self.probe_interval_s, reading[1])) if reading else pause
 
     async def _list(self) -> None:
+        """List ``manifests/``. The listing runs as a task of its own that outlives the round
+        awaiting it: a listing slower than the poll interval (a slow link, a long paginated
+        prefix, an S3 client being created) is not cancelled at every round's deadline and
+        started over (discovery would never finish one); the next round awaits the same one."""
+        task = self._listing
+        if task is None or task.done():
+            task = self._listing = asyncio.ensure_future(self._list_now())
+            task.add_done_callback(_retrieve)
+        try:
+            await asyncio.shield(task)
+        finally:
+            if task.done() and self._listing is task:
+                self._listing = None
+
+    async def _list_now(self) -> None:
         self.stats.listings += 1
         infos = await self.store.list(f"{MANIFEST_DIR}/")
         self._listed_at = time.monotonic()
@@ -423,4 +445,13 @@ class StepWatcher:
         return cursor
 
 
+def _retrieve(task: asyncio.Future[None]) -> None:
+    """A listing that ended with no round awaiting it: the next round lists again (no
+    ``_listed_at`` was set) and meets a lasting error itself; take this one so that asyncio
+    does not warn it was never retrieved."""
+    if not task.cancelled():
+        task.exception()
+
+
 __all__ = ["QuotaPacer", "StepWatcher", "WatcherStats"]
+
