@@ -252,6 +252,15 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def get_text(url: str) -> tuple[int, str]:
+    """(HTTP status, body text) of a GET, error statuses included (/synced, /metrics)."""
+    try:
+        with urllib.request.urlopen(url, timeout=5) as resp:
+            return resp.status, resp.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+
+
 def get_json(url: str) -> tuple[int, Any]:
     """(HTTP status, JSON body) of a GET, error statuses included."""
     try:

@@ -34,8 +34,6 @@ from __future__ import annotations
 
 import json
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +53,7 @@ from .conftest import (
     engine_status,
     free_port,
     generate,
+    get_text,
     long_prompts,
     make_llm,
     requires_vllm,
@@ -62,18 +61,10 @@ from .conftest import (
 )
 
 
-def _get(url: str) -> tuple[int, str]:
-    try:
-        with urllib.request.urlopen(url, timeout=5) as r:
-            return r.status, r.read().decode()
-    except urllib.error.HTTPError as e:
-        return e.code, e.read().decode()
-
-
 def _wait_synced(base: str, timeout_s: float = 30.0) -> dict[str, Any]:
     """``/synced`` once it answers 200 (metrics follow at the engine core's next tick)."""
     deadline = time.monotonic() + timeout_s
-    while (answer := _get(f"{base}/synced"))[0] != 200:
+    while (answer := get_text(f"{base}/synced"))[0] != 200:
         assert time.monotonic() < deadline, answer
         time.sleep(0.1)
     return dict(json.loads(answer[1]))
@@ -147,7 +138,7 @@ def test_failed_switch_is_taken_back_and_the_engine_keeps_serving(
             deadline, seen_failing = time.monotonic() + 60, False
             while not seen_failing:
                 assert time.monotonic() < deadline, engine_status(llm)
-                code, body = _get(f"{base}/synced")
+                code, body = get_text(f"{base}/synced")
                 seen_failing = code == 503 and json.loads(body)["coordinator"]["failing"]
                 time.sleep(0.05)
             assert FAIL_SWITCH_ENV in json.loads(body)["coordinator"]["last_error"]
@@ -155,7 +146,7 @@ def test_failed_switch_is_taken_back_and_the_engine_keeps_serving(
             assert status["weight_version"] == "6", status
             assert [r["applied_step"] for r in status["ranks"]] == [6, 6], status
             assert digests_equal_checkpoint(llm, ckpt6), "the switch was not taken back"
-            metrics = _get(f"{base}/metrics")[1]
+            metrics = get_text(f"{base}/metrics")[1]
             failures = [line for line in metrics.splitlines()
                         if line.startswith("deltasync_coordinator_failures_total ")]
             assert failures and float(failures[0].split()[-1]) >= 3, failures
@@ -204,7 +195,7 @@ def test_failed_switch_is_taken_back_and_the_engine_keeps_serving(
             status = engine_status(llm)
             assert status["held"] is not None and status["weight_version"] == "inconsistent"
             assert [r["applied_step"] for r in status["ranks"]] == [None, None], status
-            code, body = _get(f"{base}/synced")
+            code, body = get_text(f"{base}/synced")
             assert code == 503 and "SwitchHeld" in json.loads(body)["coordinator"]["last_error"]
             assert "step 16" in json.loads(body)["coordinator"]["last_error"], body
             for step in (17, 18, 19, 20):  # 20: the anchor both ranks can reach

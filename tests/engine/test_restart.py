@@ -29,14 +29,13 @@ from __future__ import annotations
 import os
 import shutil
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from examples.toymodel import build_model
+from tests.server._follow import remove_steps
 from vllm_deltasync import DeltaPublisher
 from vllm_deltasync.format.layout import manifest_path
 from vllm_deltasync.format.manifest import load_document, manifest_identity
@@ -50,6 +49,7 @@ from .conftest import (
     engine_status,
     free_port,
     generate,
+    get_text,
     long_prompts,
     make_llm,
     requires_vllm,
@@ -60,29 +60,12 @@ ANCHOR_EVERY = 1000
 """Every anchor here is a publisher's first step: a restart is what makes one."""
 
 
-def _get(url: str) -> tuple[int, str]:
-    try:
-        with urllib.request.urlopen(url, timeout=5) as r:
-            return r.status, r.read().decode()
-    except urllib.error.HTTPError as e:
-        return e.code, e.read().decode()
-
-
 def _identity(root: Path, step: int) -> str:
     return manifest_identity((root / manifest_path(step)).read_bytes())
 
 
 def _branch_changes(llm: Any) -> list[int]:
     return [s["counters"]["branch_changes"] for s in llm.collective_rpc("deltasync_status")]
-
-
-def _remove_steps(root: Path, steps: list[int]) -> None:
-    """What an operator does by hand after a preemption: remove the steps after the checkpoint
-    (as in tests/server/test_chain_identity.py)."""
-    for step in steps:
-        (root / manifest_path(step)).unlink()
-        for folder in (root / "data").glob(f"{step:012d}-*"):
-            shutil.rmtree(folder)
 
 
 def _move_in(staging: Path, root: Path, steps: list[int], scratch: Path) -> None:
@@ -186,7 +169,7 @@ def test_engine_follows_a_restarted_trainer_and_reports_the_branch_change(
             n_switches = len(status["switches"])
             staging = tmp_path / "staging"
             shutil.copytree(root, staging)
-            _remove_steps(staging, [5])
+            remove_steps(staging, [5])
             run_c = Trainer(ckpt_b4, lr=1e-4, seed=33)
             with DeltaPublisher(f"file://{staging}", resumed_from=4,
                                 anchor_every=ANCHOR_EVERY) as pub:
@@ -225,8 +208,8 @@ def test_engine_follows_a_restarted_trainer_and_reports_the_branch_change(
             # what an operator sees: /synced is green again, the metric counted both changes
             deadline = time.monotonic() + 30
             while True:
-                code, body = _get(f"{base}/synced")
-                metrics = _get(f"{base}/metrics")[1]
+                code, body = get_text(f"{base}/synced")
+                metrics = get_text(f"{base}/metrics")[1]
                 counted = [float(line.split()[-1]) for line in metrics.splitlines()
                            if line.startswith("deltasync_branch_changes_total{")]
                 if code == 200 and counted and sum(counted) >= sum(changes_after):

@@ -9,14 +9,17 @@ starts followers and closes them after the test.
 
 from __future__ import annotations
 
+import shutil
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from vllm_deltasync import DeltaPublisher
 from vllm_deltasync.config import SyncConfig
+from vllm_deltasync.format.layout import manifest_path
 from vllm_deltasync.server.worker.poller import Poller
 from vllm_deltasync.server.worker.rank import _check_chain
 from vllm_deltasync.server.worker.state import StagedStep
@@ -47,6 +50,15 @@ def _publish(pub: DeltaPublisher, w: Weights, g: torch.Generator, steps: range,
         pub.publish(step, _copy(w).items())
         pub.flush()
         truth[step] = _copy(w)
+
+
+def remove_steps(root: Path, steps: list[int]) -> None:
+    """What an operator does by hand after a preemption: remove the steps after the checkpoint
+    (their manifests and data folders) from the ``file://`` bucket at ``root``."""
+    for step in steps:
+        (root / manifest_path(step)).unlink()
+        for folder in (root / "data").glob(f"{step:012d}-*"):
+            shutil.rmtree(folder)
 
 
 def _patches(manifest: Any, patches: list[Any]) -> tuple[list[Any], int]:

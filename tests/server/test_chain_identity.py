@@ -19,21 +19,21 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.server._follow import Follower, Weights, _copy, _publish, _train, _weights
+from tests.server._follow import (
+    Follower,
+    Weights,
+    _copy,
+    _publish,
+    _train,
+    _weights,
+    remove_steps,
+)
 from vllm_deltasync import DeltaPublisher
 from vllm_deltasync.errors import ChainError
 from vllm_deltasync.format.layout import manifest_path
 from vllm_deltasync.format.manifest import dump_document, load_document, manifest_identity
 from vllm_deltasync.server.worker.rank import _check_chain
 from vllm_deltasync.server.worker.state import StagedStep
-
-
-def _remove_steps(root: Path, steps: list[int]) -> None:
-    """What an operator does by hand after a preemption: remove the steps after the checkpoint."""
-    for step in steps:
-        (root / manifest_path(step)).unlink()
-        for folder in (root / "data").glob(f"{step:012d}-*"):
-            shutil.rmtree(folder)
 
 
 def _run_a(url: str, truth: dict[int, Weights], format_version: int = 3) -> dict[int, Weights]:
@@ -57,7 +57,7 @@ def test_restart_with_steps_removed_and_republished_never_applies_across(
     f.follow_until(lambda: f.at(3, a[3]))
     old_three = f.state.applied_manifest().identity
 
-    _remove_steps(root, [2, 3])
+    remove_steps(root, [2, 3])
     b, w, g = {}, _copy(a[1]), torch.Generator().manual_seed(7)
     with DeltaPublisher(url, anchor_every=10, resumed_from=1,
                         format_version=format_version) as pub:
@@ -130,7 +130,7 @@ def test_steps_rewritten_in_place_with_nothing_newer_are_seen(
     a = _run_a(url, {})
     f = follower_factory(url, {k: torch.zeros_like(v) for k, v in a[0].items()})
     f.follow_until(lambda: f.at(3, a[3]))
-    _remove_steps(root, [2, 3])
+    remove_steps(root, [2, 3])
     b, w, g = {}, _copy(a[1]), torch.Generator().manual_seed(3)
     with DeltaPublisher(url, anchor_every=10) as pub:
         _publish(pub, w, g, range(2, 4), b)

