@@ -56,7 +56,7 @@ def _world(tmp: Path, layers: int) -> Any:
     vc = VllmConfig(model_config=mc)
     # as in an engine with the extension: the CPU GEMM patch keeps 2-D linear weights
     vc.parallel_config.worker_extension_cls = "vllm_deltasync.DeltaSyncExtension"
-    from vllm_deltasync.server.extension import _patch_cpu_gemm
+    from vllm_deltasync.server.vllm.cpu_gemm import patch as _patch_cpu_gemm
 
     _patch_cpu_gemm()
     with set_current_vllm_config(vc):
@@ -131,7 +131,7 @@ def _delta(params: dict[str, tuple[tuple[int, ...], str]], density: float) -> li
 
 
 def measure(layers: int = LAYERS) -> dict[str, Any]:
-    from vllm_deltasync.server.extension import _layout_specs
+    from vllm_deltasync.server.vllm.worker import layout_specs as _layout_specs
     from vllm_deltasync.server.worker.apply import Undo, apply_patches, merge_pieces, prepare
     from vllm_deltasync.server.worker.layouts import LayoutCache
     from vllm_deltasync.server.worker.shardmap import ShardMap, translate_all

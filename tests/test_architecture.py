@@ -1,5 +1,5 @@
-"""docs/architecture.md lists every module of the package, and only ``server/extension.py``
-imports vLLM.
+"""docs/architecture.md lists every module of the package, and only the modules of
+``server/vllm/`` (the vLLM boundary) import vLLM.
 
 The module table is parsed from the doc (rows whose first cell is a backticked ``*.py`` path,
 relative to ``vllm_deltasync/``) and compared with the files; vLLM imports are found with
@@ -19,7 +19,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "vllm_deltasync"
 DOC = ROOT / "docs" / "architecture.md"
-GLUE = "server/extension.py"
+GLUE = "server/vllm/"
+"""The vLLM boundary: the only folder whose modules import vLLM (issue 24, item 1)."""
 _ROW = re.compile(r"^\|\s*`([^`]+\.py)`\s*\|(.*)$")
 
 
@@ -122,16 +123,18 @@ def test_rows_have_four_cells_and_a_place_to_run() -> None:
         assert imports.strip("*").lower().startswith(("no", "yes")), f"{module}: {imports!r}"
 
 
-def test_only_the_extension_imports_vllm_at_module_level() -> None:
+def test_only_the_boundary_imports_vllm() -> None:
+    """Outside ``server/vllm/`` no module imports vLLM, not even inside a function; inside it,
+    never at module level (the package imports where vLLM does not)."""
     offenders = {}
     for module in sorted(package_modules(include_markers=True)):
-        lines = vllm_imports((PACKAGE / module).read_text(encoding="utf-8"),
-                             module_level_only=True)
-        if lines and module != GLUE:
+        source = (PACKAGE / module).read_text(encoding="utf-8")
+        lines = vllm_imports(source, module_level_only=module.startswith(GLUE))
+        if lines:
             offenders[module] = lines
     assert not offenders, (
-        f"vLLM imported at module level outside {GLUE} (module: lines): {offenders}; import it "
-        "inside the function that needs it, in server/extension.py")
+        f"vLLM imported outside {GLUE}, or at module level inside it (module: lines): "
+        f"{offenders}; reach vLLM through {GLUE} (and list the symbol in its surface.py)")
 
 
 def test_table_says_which_modules_import_vllm() -> None:
@@ -143,7 +146,7 @@ def test_table_says_which_modules_import_vllm() -> None:
         assert says_yes == bool(lines), (
             f"{module}: the table says imports vLLM = {imports!r}, the source has vLLM imports "
             f"at lines {lines}")
-    assert doc_table()[GLUE][2].strip("*").lower().startswith("yes")
+    assert doc_table()["server/vllm/plugin.py"][2].strip("*").lower().startswith("yes")
 
 
 def test_ast_scan_finds_what_it_should() -> None:
@@ -165,12 +168,13 @@ def test_ast_scan_finds_what_it_should() -> None:
 
 
 def test_package_imports_without_vllm() -> None:
-    """``import vllm_deltasync`` (and every module but the glue) works where vLLM cannot be
-    imported: ``sys.modules["vllm"] = None`` makes any ``import vllm`` raise."""
+    """``import vllm_deltasync`` (and every module, the boundary's included: they import vLLM
+    inside functions only) works where vLLM cannot be imported: ``sys.modules["vllm"] = None``
+    makes any ``import vllm`` raise."""
     modules = sorted(
         "vllm_deltasync." + m[:-3].replace("/", ".").removesuffix(".__init__")
         for m in package_modules(include_markers=True)
-        if m != GLUE and not m.endswith("__main__.py") and m != "__init__.py"
+        if not m.endswith("__main__.py") and m != "__init__.py"
     )
     script = textwrap.dedent(f"""
         import importlib, sys

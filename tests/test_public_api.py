@@ -30,7 +30,7 @@ import torch
 from safetensors.torch import load_file, save
 
 ROOT = Path(__file__).resolve().parent.parent
-PLUGIN = "vllm_deltasync.server.extension:register_plugin"
+PLUGIN = "vllm_deltasync.server.vllm.plugin:register_plugin"
 SHAPES = {"model.embed_tokens.weight": (64, 16), "model.layers.0.mlp.down_proj.weight": (16, 24),
           "model.norm.weight": (16,)}
 
@@ -142,7 +142,8 @@ def test_vllm_plugin_entry_point() -> None:
     with _fresh("vllm_deltasync.extension"), warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
         plugin = ep.load()
-    assert ep.value in (PLUGIN, "vllm_deltasync.extension:register_plugin"), ep.value
+    assert ep.value in (PLUGIN, "vllm_deltasync.extension:register_plugin",
+                        "vllm_deltasync.server.extension:register_plugin"), ep.value
     assert callable(plugin) and plugin is register_plugin
 
 

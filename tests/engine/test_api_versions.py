@@ -26,9 +26,9 @@ import pytest
 
 from examples.toymodel import build_model
 from vllm_deltasync import DeltaPublisher
-from vllm_deltasync.server.engine.coordinator import SWITCH_EVERY_STEPS_ENV
 
 from .conftest import ApiServer, Trainer, api_server, free_port, requires_vllm
+from .engine_hooks import switch_every_steps_env
 
 EVERY = 4  # model steps between switch ticks
 TOKENS = 24
@@ -122,7 +122,7 @@ def test_generate_endpoint_weight_versions_follow_the_switches(tmp_path: Path) -
     metrics = f"http://127.0.0.1:{port}"
     env = {"VLLM_DELTASYNC_URL": url, "VLLM_DELTASYNC_POLL_INTERVAL_S": "0.2",
            "VLLM_DELTASYNC_METRICS_PORT": str(port), "VLLM_DELTASYNC_METRICS_HOST": "127.0.0.1",
-           SWITCH_EVERY_STEPS_ENV: str(EVERY)}
+           **switch_every_steps_env(EVERY)}
     with DeltaPublisher(url, anchor_every=10) as pub:
         pub.publish(0, trainer.named_tensors())
         pub.flush()

@@ -75,7 +75,7 @@ def test_store_options_reach_the_backend_and_never_show() -> None:
 def test_utility_calls_that_may_write_weights_tick_the_coordinator() -> None:
     """After these client utility calls the engine core ticks before the next batch (a reload
     behind our back is noticed before any request is served under the old step label)."""
-    from vllm_deltasync.server.extension import _may_write_weights
+    from vllm_deltasync.server.vllm.engine import may_write_weights as _may_write_weights
 
     def call(method: str, *args: object) -> tuple[int, int, str, tuple[object, ...]]:
         return (0, 1, method, args)

@@ -21,7 +21,6 @@ import pytest
 
 from examples.toymodel import build_model
 from vllm_deltasync import DeltaPublisher
-from vllm_deltasync.server.engine.coordinator import SWITCH_EVERY_STEPS_ENV
 
 from .conftest import (
     Trainer,
@@ -32,6 +31,7 @@ from .conftest import (
     wait_applied,
     wait_ready,
 )
+from .engine_hooks import switch_every_steps_env
 
 STEPS = 4
 EVERY = 6  # model steps between switch ticks: a batch of 24 tokens runs 24 model steps
@@ -50,7 +50,7 @@ def test_no_model_step_mixes_versions_across_or_within_ranks(tmp_path: Path, in_
     params = SamplingParams(temperature=0.8, max_tokens=24, seed=1, ignore_eos=True)
     prompts = [f"rollout {i} the policy reward" for i in range(6)]
     with DeltaPublisher(url, anchor_every=3) as pub, engine_env(
-        tmp_path, tp, {SWITCH_EVERY_STEPS_ENV: str(EVERY)}, url=url, poll_interval_s=0.05,
+        tmp_path, tp, switch_every_steps_env(EVERY), url=url, poll_interval_s=0.05,
         metrics_port=0, in_flight=in_flight,
     ):
         pub.publish(0, trainer.named_tensors())

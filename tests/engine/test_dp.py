@@ -64,7 +64,7 @@ def _vllm_config(*, moe: bool, dp: int, index: int, url: str, port: int) -> Any:
 
 
 def test_refused_layouts() -> None:
-    from vllm_deltasync.server.extension import _unsupported_layout
+    from vllm_deltasync.server.vllm.engine import unsupported_layout as _unsupported_layout
 
     reason = _unsupported_layout(_vllm_config(moe=True, dp=2, index=0, url="file:///b", port=0))
     assert reason is not None and "--data-parallel-size" in reason and "MoE" in reason
@@ -78,7 +78,7 @@ def test_refused_layouts() -> None:
 
 
 def test_metrics_port_is_offset_by_the_data_parallel_rank() -> None:
-    from vllm_deltasync.server.extension import _engine_config
+    from vllm_deltasync.server.vllm.engine import engine_config as _engine_config
 
     config = SyncConfig(url="file:///b", metrics_port=9464)
     for index, port in ((0, 9464), (1, 9465), (3, 9467)):
@@ -93,7 +93,7 @@ def test_moe_engine_core_at_data_parallel_refuses_without_starting_a_rank(tmp_pa
     """What the plugin does in a MoE engine core of DP rank 1 of 2: the coordinator starts
     only to refuse; no rank is started or proved, /synced (on port + 1) answers 503 with the
     reason, and ticks do nothing."""
-    from vllm_deltasync.server.extension import _start_coordinator
+    from vllm_deltasync.server.vllm.engine import start_coordinator as _start_coordinator
 
     port = _free_ports(2)
     calls: list[str] = []

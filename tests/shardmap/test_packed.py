@@ -35,7 +35,7 @@ def _packed_rank(tp_world: TPWorld, tmp_path: Path) -> RankState:
     from vllm.model_executor.layers.linear import LinearBase
     from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
 
-    from vllm_deltasync.server.extension import _install_packed
+    from vllm_deltasync.server.vllm.cpu_gemm import install_packed as _install_packed
 
     dispatch = layer_utils.dispatch_cpu_unquantized_gemm
     original = getattr(dispatch, "_deltasync_original", dispatch)

@@ -44,7 +44,7 @@ def test_load_weights_and_reload_behind_our_back_each_count_once(
         load_checkpoint_weight_patches,
     )
 
-    from vllm_deltasync.server.extension import _watch_weight_writes
+    from vllm_deltasync.server.vllm.worker import watch_weight_writes as _watch_weight_writes
 
     state, worker, weights = _rank(tp_world, tmp_path)
     try:

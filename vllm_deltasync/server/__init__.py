@@ -1,7 +1,10 @@
 """Runs inside a vLLM server.
 
-* :mod:`.extension`: the only module that imports vLLM: the worker mixin, the plugin that
-  patches the engine core, the CPU GEMM dispatch.
+* :mod:`.extension`: the worker mixin (the ``deltasync_*`` RPC methods vLLM mixes into each
+  worker).
+* :mod:`.vllm`: the vLLM boundary, the only code that imports vLLM: the table of every vLLM
+  symbol touched and its check, the plugin (two guarded patches), the hooks on an engine core
+  naming the extension, the worker-side reads, the CPU GEMM dispatch.
 * :mod:`.worker`: one rank, in every vLLM worker process: the poller thread (discover,
   download, verify, decode, prepare) and the worker's main thread (apply, revert, commit), with
   everything they share in one lock-owning :class:`~.worker.state.SyncState`.

@@ -72,7 +72,9 @@ set it in production."""
 SWITCH_EVERY_STEPS_ENV = "DELTASYNC_TEST_SWITCH_EVERY_STEPS"
 """Test-only, ``"<n>"``: switches start only from a tick the engine runs after every ``n``
 model steps, never from the timer (which keeps reading status and finishing drains), so a
-test knows a switch lands inside the batch it is generating. Not a setting."""
+test knows a switch lands inside the batch it is generating. The engine calls
+:meth:`Coordinator.after_model_step` only through the test hook that wraps its step
+(tests/engine/engine_hooks.py, run by ``DELTASYNC_TEST_ENGINE_HOOK``). Not a setting."""
 
 
 class _Failpoint:

