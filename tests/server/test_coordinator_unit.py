@@ -16,6 +16,7 @@ stand-in rank state with a real ``SyncState``: a ``BaseException`` out of the ap
 from __future__ import annotations
 
 import enum
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -416,3 +417,26 @@ def test_worker_revert_of_a_step_it_never_wrote_keeps_its_weights() -> None:
     ext._deltasync_writing = 3  # an apply that never answered
     assert not ext.deltasync_revert(3, "x", {"applied_step": 2, "applied_id": None})
     assert dirty.resets
+
+
+# ------------------------------------------------------------------ a step that stays staged
+
+
+def test_a_step_staged_but_not_switched_is_logged_once_with_every_rank(
+        caplog: pytest.LogCaptureFixture) -> None:
+    from vllm_deltasync.server.engine.coordinator import STAGED_TICKS
+
+    ranks = [Rank(0, applied=2, ready=(3,)), Rank(1, applied=2, ready=())]
+    coord, engine = coordinator(ranks)
+    with caplog.at_level(logging.WARNING, logger="vllm_deltasync.server.engine.coordinator"):
+        for _ in range(STAGED_TICKS - 1):
+            coord.tick()
+        assert not [r for r in caplog.records if "has not been switched" in r.message]
+        for _ in range(3):
+            coord.tick()
+    [line] = [r.message for r in caplog.records if "has not been switched" in r.message]
+    assert "no step staged on every rank" in line and "rank 0: applied=2 ready=[3]" in line
+    assert "rank 1: applied=2 ready=[]" in line
+    ranks[1].ready = [3]  # the slow rank catches up: the switch goes through
+    coord.tick()
+    assert {r.applied for r in ranks} == {3} and engine.version == "3"

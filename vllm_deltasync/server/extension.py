@@ -31,6 +31,7 @@ import torch
 from vllm_deltasync.config import SyncConfig
 from vllm_deltasync.errors import ApplyError, DeltaSyncError
 from vllm_deltasync.server.engine.coordinator import FAIL_APPLY_RPC_ENV
+from vllm_deltasync.server.messages import ApplyResult, RankStatus
 from vllm_deltasync.server.vllm import worker as vllm_worker
 from vllm_deltasync.server.vllm.plugin import PLUGIN_REFUSALS, extension_configured, register_plugin
 from vllm_deltasync.server.worker.rank import (
@@ -62,7 +63,7 @@ class DeltaSyncExtension:
             raise DeltaSyncError("deltasync is not started on this worker (deltasync_start)")
         return state
 
-    def deltasync_start(self) -> dict[str, Any]:
+    def deltasync_start(self) -> RankStatus:
         """Build the shard map (learning the layouts kernels rearranged parameters into) and
         run check 1 of the startup proof. The poller starts only with ``deltasync_follow``,
         once every rank passed (``deltasync_prove``). Never raises: a rank that cannot follow
@@ -91,7 +92,7 @@ class DeltaSyncExtension:
         out["proof_classes"] = classes
         return out
 
-    def deltasync_prove(self, classes: list[str], again: bool = False) -> dict[str, Any]:
+    def deltasync_prove(self, classes: list[str], again: bool = False) -> RankStatus:
         """Check 2 of the startup proof, a collective (``classes``: the union over ranks, in
         the same order everywhere). Answers the status, ``refused`` set when the proof failed
         on this rank (one log line names the parameter and the reason). ``again``: after a
@@ -116,7 +117,7 @@ class DeltaSyncExtension:
                         "; ".join(state.report.layouts) or "no learned layouts")
         return self.deltasync_status()
 
-    def deltasync_follow(self) -> dict[str, Any]:
+    def deltasync_follow(self) -> RankStatus:
         """Every rank passed its proof: start the poller."""
         state = self._deltasync_state()
         state.follow()
@@ -124,7 +125,7 @@ class DeltaSyncExtension:
                     state.config.redacted_url(), len(state.shardmap.names))
         return self.deltasync_status()
 
-    def deltasync_stop(self, reason: str) -> dict[str, Any] | None:
+    def deltasync_stop(self, reason: str) -> RankStatus | None:
         """Some rank refused: this one never follows either (its poller stops)."""
         state = getattr(self, "_deltasync", None)
         if state is None:
@@ -133,7 +134,7 @@ class DeltaSyncExtension:
             state.refuse(reason)
         return self.deltasync_status()
 
-    def deltasync_status(self) -> dict[str, Any]:
+    def deltasync_status(self) -> RankStatus:
         """This rank's status: applied/staged/newest step, last error, counters (metrics.py).
         Reading it changes nothing, except that a write behind our back noted since the last
         call is settled first (``RankState.settle_writes``: counted in ``reloads``)."""
@@ -145,7 +146,7 @@ class DeltaSyncExtension:
         """Steps staged and fully prepared on this rank, in apply order."""
         return self._deltasync_state().sync.ready_steps()
 
-    def deltasync_apply(self, step: int, identity: str | None = None) -> dict[str, Any]:
+    def deltasync_apply(self, step: int, identity: str | None = None) -> ApplyResult:
         """Apply every staged step up to ``step`` (``identity``: the manifest identity the
         engine core chose, checked against the staged step) in place. Returns what was done,
         or the error and whether this rank put its weights back (``reverted``). The switch
@@ -164,14 +165,14 @@ class DeltaSyncExtension:
         _apply_rpc_failpoint(self, state.rank, step)  # test-only, raises out of the RPC
         self._deltasync_writing = step
         try:
-            out = {"ok": True, "rank": state.rank, **state.apply(step, identity=identity)}
+            out = ApplyResult(ok=True, rank=state.rank, **state.apply(step, identity=identity))
         except Exception as exc:  # noqa: BLE001 - reported to the coordinator, never raised
             error = f"{type(exc).__name__}: {exc}"
             logger.exception("deltasync apply step=%d rank=%d failed", step, state.rank)
             reverted = isinstance(exc, ApplyFailed) and exc.reverted
             if not reverted:
                 state.reset(error)
-            out = {"ok": False, "rank": state.rank, "error": error, "reverted": reverted}
+            out = ApplyResult(ok=False, rank=state.rank, error=error, reverted=reverted)
         except BaseException as exc:
             error = f"{type(exc).__name__}: {exc}"
             with contextlib.suppress(Exception):
@@ -180,7 +181,7 @@ class DeltaSyncExtension:
                 raise
             logger.error("deltasync apply step=%d rank=%d failed: %s", step, state.rank, error,
                          exc_info=exc)
-            out = {"ok": False, "rank": state.rank, "error": error, "reverted": False}
+            out = ApplyResult(ok=False, rank=state.rank, error=error, reverted=False)
         self._deltasync_writing = None
         return out
 

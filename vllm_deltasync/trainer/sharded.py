@@ -38,6 +38,7 @@ from typing import Any
 import torch
 
 from vllm_deltasync.errors import FormatError, PublishError
+from vllm_deltasync.failpoints import FAIL_SHARD_ENV
 from vllm_deltasync.format.layout import DATA_DIR, STEP_DIGITS
 from vllm_deltasync.format.manifest import (
     Chunk,
@@ -49,9 +50,8 @@ from vllm_deltasync.format.manifest import (
 )
 from vllm_deltasync.stores import Store
 
-FAILPOINT_ENV = "DELTASYNC_TEST_FAIL_SHARD"
-"""Test-only failpoint, ``"<rank>:<step>"``: that rank's upload of that step raises after its
-data files are written and before its part record (a rank failing mid-step, staying alive)."""
+FAILPOINT_ENV = FAIL_SHARD_ENV
+
 
 PART_NAME = "part.json"
 ABORT_NAME = "abort.json"

@@ -44,7 +44,9 @@ from typing import Any
 
 from vllm_deltasync._urls import redact_text
 from vllm_deltasync.config import SyncConfig
+from vllm_deltasync.failpoints import FAIL_APPLY_RPC_ENV, FAIL_SWITCH_ENV, SWITCH_EVERY_STEPS_ENV
 from vllm_deltasync.format.manifest import SCHEMA_VERSION
+from vllm_deltasync.server.messages import EngineStatus, RankStatus
 from vllm_deltasync.server.metrics import MetricsServer, SyncMetrics
 
 logger = logging.getLogger(__name__)
@@ -53,28 +55,12 @@ FAILING_AFTER = 3
 """Consecutive failed ticks after which the coordinator reports itself failing (``/synced``
 answers 503, ``deltasync_coordinator_failing`` is 1) until a tick succeeds."""
 
-FAIL_SWITCH_ENV = "DELTASYNC_TEST_FAIL_SWITCH"
-"""Test-only failpoint, ``"<step>:<ticks>"``: the switch to ``step`` raises after every rank
-applied it and before the prefix-cache reset (once per process), then the next ``ticks`` ticks
-raise at their start (a fault that persists). Not a setting: never set it in production."""
 
-FAIL_APPLY_RPC_ENV = "DELTASYNC_TEST_FAIL_APPLY_RPC"
-"""Test-only failpoint, ``"<rank>:<step>[:dirty]"`` (several separated by commas, each fires
-once per process): that rank's ``deltasync_apply`` of that step raises out of the RPC before
-writing anything, so the engine core's apply broadcast itself raises while the other ranks
-wrote the step. ``dirty``: the rank also behaves as if it had failed mid-write without putting
-back (its ``deltasync_revert`` then resets and answers False, so the engine holds). Read by the
-worker (``server/extension.py``). It raises an ``Exception``: vLLM's worker turns that into a
-failed RPC, while any other ``BaseException`` ends the worker process. Use the last rank: vLLM's
-multiprocessing executor stops reading answers at the first failed rank. Not a setting: never
-set it in production."""
 
-SWITCH_EVERY_STEPS_ENV = "DELTASYNC_TEST_SWITCH_EVERY_STEPS"
-"""Test-only, ``"<n>"``: switches start only from a tick the engine runs after every ``n``
-model steps, never from the timer (which keeps reading status and finishing drains), so a
-test knows a switch lands inside the batch it is generating. The engine calls
-:meth:`Coordinator.after_model_step` only through the test hook that wraps its step
-(tests/engine/engine_hooks.py, run by ``DELTASYNC_TEST_ENGINE_HOOK``). Not a setting."""
+STAGED_TICKS = 10
+"""Ticks a staged step may wait for its switch before :meth:`Coordinator._watch_staged` logs
+every rank's status (at the default 2 s poll interval, 20 s)."""
+
 
 
 class _Failpoint:
@@ -173,7 +159,7 @@ class Coordinator:
         self.metrics = SyncMetrics(bucket_url=config.url, format_version=SCHEMA_VERSION)
         self.server: MetricsServer | None = None
         self.switches: collections.deque[dict[str, Any]] = collections.deque(maxlen=256)
-        self.statuses: list[dict[str, Any]] = []
+        self.statuses: list[RankStatus] = []
         self._last_error: str | None = None
         self.active = False
         self._stop = threading.Event()
@@ -198,6 +184,8 @@ class Coordinator:
         """The weight version this coordinator last set (a step), to tell it from a user's."""
         self._proof_classes: list[str] = []
         self._last_tick = float("-inf")
+        self._staged: tuple[tuple[Any, ...], int, bool] | None = None
+        """What the ranks had staged at the last ticks, for how many ticks, logged or not."""
 
     @property
     def last_error(self) -> str | None:
@@ -351,6 +339,7 @@ class Coordinator:
         self._check_reloads()
         if not self.active:
             return
+        self._watch_staged()
         if self.held is not None and self._resync_held():
             return
         if self._settle_pending():
@@ -366,6 +355,37 @@ class Coordinator:
         if self.config.in_flight == "drain" and not self._drained():
             return
         self._switch(*found)
+
+    def _watch_staged(self) -> None:
+        """A step staged on some rank that is not switched for :data:`STAGED_TICKS` ticks in a
+        row (the ranks' staged and applied steps unchanged) is logged once, with every rank's
+        status and why the coordinator waits: a stall is visible in the log, not only as a
+        server falling behind (issue 24)."""
+        key = tuple((s.get("rank", i), s.get("applied_step"), tuple(s.get("ready_steps") or ()))
+                    for i, s in enumerate(self.statuses))
+        if not any(ready for _, _, ready in key):
+            self._staged = None
+            return
+        if self._staged is None or self._staged[0] != key:
+            self._staged = (key, 1, False)
+            return
+        _, ticks, logged = self._staged
+        ticks += 1
+        self._staged = (key, ticks, logged)
+        if logged or ticks < STAGED_TICKS:
+            return
+        self._staged = (key, ticks, True)
+        why = ("held: " + self.held if self.held is not None
+               else "draining" if self._drain_since is not None
+               else "no step staged on every rank" if common_ready(self.statuses) is None
+               else "a switch is due")
+        ranks = "; ".join(
+            f"rank {s.get('rank', i)}: applied={s.get('applied_step')} "
+            f"ready={s.get('ready_steps')} staged={s.get('staged_step')} "
+            f"newest={s.get('newest_step')} pending={s.get('pending_switch')} "
+            f"error={s.get('last_error')}" for i, s in enumerate(self.statuses))
+        logger.warning("deltasync: a staged step has not been switched for %d ticks (%s); %s",
+                       ticks, why, ranks)
 
     def _check_reloads(self) -> None:
         """A rank saw its weights written behind our back (vLLM's ``reload_weights``): it
@@ -652,7 +672,7 @@ class Coordinator:
             self.holds[-1].update(released_at=time.time(), released_step=step)
         self.metrics.coordinator_state(failing=self.failed_ticks >= FAILING_AFTER)
 
-    def engine_status(self) -> dict[str, Any]:
+    def engine_status(self) -> EngineStatus:
         """What the engine core knows (``call_utility("deltasync_engine_status")``)."""
         return {
             "active": self.active,

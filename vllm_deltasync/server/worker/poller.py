@@ -39,6 +39,7 @@ from vllm_deltasync.format._listing import newest_readable, skipped_line
 from vllm_deltasync.format.codec import TensorPatch
 from vllm_deltasync.format.manifest import Manifest
 from vllm_deltasync.format.reader import BucketReader, short_id
+from vllm_deltasync.server.messages import RankStatus
 from vllm_deltasync.server.metrics import WorkerStats, error_reason
 from vllm_deltasync.server.worker.discovery import StepWatcher
 from vllm_deltasync.server.worker.state import StagedStep, SyncState
@@ -148,8 +149,8 @@ class Poller:
         """Steps staged and ready, in apply order (each chains on the one before)."""
         return self.state.ready_steps()
 
-    def status(self) -> dict[str, Any]:
-        """The per-rank status dict (see ``metrics.py`` for the keys it feeds)."""
+    def status(self) -> RankStatus:
+        """The per-rank status (``server/messages.py``; ``metrics.py`` for what it feeds)."""
         snap = self.state.snapshot()
         return {
             "rank": self.rank,

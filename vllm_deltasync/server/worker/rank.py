@@ -21,10 +21,12 @@ import torch
 
 from vllm_deltasync.config import SyncConfig
 from vllm_deltasync.errors import ApplyError, ChainError
+from vllm_deltasync.failpoints import FAIL_APPLY_ENV, NO_LAYOUTS_ENV
 from vllm_deltasync.format.codec import TensorPatch
 from vllm_deltasync.format.codecs import prepare_decoders
 from vllm_deltasync.format.manifest import Manifest
 from vllm_deltasync.format.reader import short_id
+from vllm_deltasync.server.messages import LastApply, RankStatus
 from vllm_deltasync.server.worker.apply import sha256_hex
 from vllm_deltasync.server.worker.layouts import LayoutCache, LayoutSpec
 from vllm_deltasync.server.worker.packed import PackedLayers, Prebuilt
@@ -34,15 +36,10 @@ from vllm_deltasync.server.worker.state import Applied, PendingSwitch, StagedSte
 
 logger = logging.getLogger(__name__)
 
-FAILPOINT_ENV = "DELTASYNC_TEST_FAIL_APPLY"
-"""Test-only failpoint, ``"<rank>:<step>:<pieces>"``: that rank's apply of that step raises
-after writing ``pieces`` pieces, once per process. The engine tests use it to prove a failed
-switch is taken back on every rank. Not a setting: never set it in production."""
+FAILPOINT_ENV = FAIL_APPLY_ENV
+
 _failpoint_fired = False
 
-NO_LAYOUTS_ENV = "DELTASYNC_TEST_NO_LAYOUTS"
-"""Test-only: ``1`` skips learning runtime layouts, forcing the old checkpoint-layout path onto
-parameters a kernel rearranged (the startup proof must then refuse). Not a setting."""
 
 
 def _failpoint(rank: int, step: int) -> int | None:
@@ -361,7 +358,7 @@ class RankState:
                 if self._write_depth == 0:
                     self.write_seq += 1
 
-    def apply(self, step: int, *, identity: str | None = None) -> dict[str, Any]:
+    def apply(self, step: int, *, identity: str | None = None) -> LastApply:
         """Main thread, between model steps: write every staged step up to ``step``
         (``identity``, when given: the manifest identity the engine core chose; a staged
         ``step`` with another identity is a :class:`ChainError`, before anything is written).
@@ -417,7 +414,7 @@ class RankState:
                 self.mark_written()
                 raise ApplyFailed(str(exc), reverted=reverted) from exc
         self.mark_written()
-        last_apply = {
+        last_apply: LastApply = {
             "step": step,
             "steps": [s.step for s in taken],
             "kinds": [s.manifest.kind for s in taken],
@@ -497,16 +494,21 @@ class RankState:
                 (self.model_steps, before, _version(self.sync.applied_step), num_tokens)
             )
 
-    def status(self) -> dict[str, Any]:
+    def status(self) -> RankStatus:
         """This rank's status; reading it changes nothing."""
         out = self.poller.status()
-        out.update(fingerprint=self.fingerprint, model_steps=self.model_steps, pid=os.getpid(),
-                   refused=self.refused, following=self.following, reloads=self.reloads,
-                   cpu_kernels=self.packed.status() if self.packed else "inplace",
-                   proof=self.report.to_dict() if self.report is not None else None,
-                   layout_bytes=self.layouts.nbytes)
+        out["fingerprint"] = self.fingerprint
+        out["model_steps"] = self.model_steps
+        out["pid"] = os.getpid()
+        out["refused"] = self.refused
+        out["following"] = self.following
+        out["reloads"] = self.reloads
+        out["cpu_kernels"] = self.packed.status() if self.packed else "inplace"
+        out["proof"] = self.report.to_dict() if self.report is not None else None
+        out["layout_bytes"] = self.layouts.nbytes
         if self.refused is not None:
-            out.update(last_error=self.refused, ready_steps=[])
+            out["last_error"] = self.refused
+            out["ready_steps"] = []
         return out
 
 

@@ -34,6 +34,7 @@ from typing import Any, Generic, TypeVar
 
 from vllm_deltasync.errors import DeltaSyncError
 from vllm_deltasync.format.manifest import Manifest
+from vllm_deltasync.server.messages import LastApply
 
 P = TypeVar("P")
 """The prepared payload of a step: translated, device-resident pieces in the engine (a list of
@@ -90,7 +91,7 @@ class Snapshot:
     newest_published_at: float | None
     last_discovery_at: float | None
     last_error: str | None
-    last_apply: dict[str, Any] | None
+    last_apply: LastApply | None
     pending_switch: int | None
 
 
@@ -114,7 +115,7 @@ class SyncState(Generic[P]):
         self._last_discovery_at: float | None = None
         self._poll_error: str | None = None  # written by the poller thread only
         self._switch_error: str | None = None  # written by the main thread only
-        self._last_apply: dict[str, Any] | None = None
+        self._last_apply: LastApply | None = None
 
     def set_on_room(self, callback: Callable[[], None] | None) -> None:
         """Called (outside the lock) whenever staged steps are taken or dropped."""
@@ -286,13 +287,13 @@ class SyncState(Generic[P]):
             self._staged = [s for s in self._staged if s.step > manifest.step]
         return restart
 
-    def switched(self, pending: PendingSwitch, last_apply: dict[str, Any]) -> None:
+    def switched(self, pending: PendingSwitch, last_apply: LastApply) -> None:
         """A switch was written on this rank; its undo is kept until :meth:`commit`."""
         with self._lock:
             self._pending = pending
             self._failed = None
             self._switch_error = None
-            self._last_apply = dict(last_apply)
+            self._last_apply = LastApply(**last_apply)
 
     def switch_failed(self, step: int, reverted: bool, error: str) -> None:
         """This rank's own write of ``step`` failed; ``reverted``: it put its weights back."""
@@ -379,7 +380,7 @@ class SyncState(Generic[P]):
                 newest_published_at=self._newest[1],
                 last_discovery_at=self._last_discovery_at,
                 last_error=self._switch_error or self._poll_error,
-                last_apply=dict(self._last_apply) if self._last_apply else None,
+                last_apply=LastApply(**self._last_apply) if self._last_apply else None,
                 pending_switch=self._pending.step if self._pending is not None else None,
             )
 
