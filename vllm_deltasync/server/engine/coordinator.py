@@ -6,7 +6,7 @@ to the ranks only through ``engine.collective_rpc``, which every worker executes
 ``execute_model``: an apply broadcast between two steps lands on all ranks between the same two
 model steps. No vLLM import here; the engine object and vLLM's ``PauseState`` are passed in.
 
-A switch is one unit whatever fails (:meth:`Coordinator._switch`). From the first
+A switch is one unit whatever fails (``switch.py``, driven by :meth:`Coordinator._switch`). From the first
 ``deltasync_apply`` reaching a rank to the commit, any failure (a rank's answer, the apply
 broadcast itself raising or timing out, the engine core's own steps) is taken back on every
 rank before the next batch (``deltasync_revert``), or, when some rank cannot take it back or
@@ -46,6 +46,14 @@ from vllm_deltasync._urls import redact_text
 from vllm_deltasync.config import SyncConfig
 from vllm_deltasync.failpoints import FAIL_APPLY_RPC_ENV, FAIL_SWITCH_ENV, SWITCH_EVERY_STEPS_ENV
 from vllm_deltasync.format.manifest import SCHEMA_VERSION
+from vllm_deltasync.server.engine.switch import (
+    CommitFailed,
+    Failpoint,
+    Switch,
+    SwitchFailed,
+    SwitchHeld,
+)
+from vllm_deltasync.server.engine.switch import fatal as _fatal
 from vllm_deltasync.server.messages import EngineStatus, RankStatus
 from vllm_deltasync.server.metrics import MetricsServer, SyncMetrics
 
@@ -61,45 +69,6 @@ STAGED_TICKS = 10
 """Ticks a staged step may wait for its switch before :meth:`Coordinator._watch_staged` logs
 every rank's status (at the default 2 s poll interval, 20 s)."""
 
-
-
-class _Failpoint:
-    """The parsed :data:`FAIL_SWITCH_ENV`."""
-
-    def __init__(self, spec: str | None) -> None:
-        self.step: int | None = None
-        self.ticks = 0
-        if spec:
-            step, _, ticks = spec.partition(":")
-            self.step, self.ticks = int(step), int(ticks or 0)
-
-    def at_switch(self, step: int) -> None:
-        if self.step is not None and step == self.step:
-            self.step = None
-            raise RuntimeError(f"failpoint {FAIL_SWITCH_ENV}: switch to step {step} fails "
-                               "between the ranks' apply and the prefix-cache reset")
-
-    def at_tick(self) -> None:
-        if self.step is None and self.ticks > 0:
-            self.ticks -= 1
-            raise RuntimeError(f"failpoint {FAIL_SWITCH_ENV}: the tick fails (a persistent fault)")
-
-
-class SwitchHeld(RuntimeError):
-    """Why the engine holds scheduling (``/synced`` and the coordinator failure counter)."""
-
-
-class SwitchFailed(RuntimeError):
-    """A switch failed in the engine core or its apply broadcast (taken back, or held)."""
-
-
-class CommitFailed(RuntimeError):
-    """The commit broadcast of a switch that stands failed (retried at the next tick)."""
-
-
-def _fatal(exc: BaseException) -> bool:
-    """The engine core is going down (signal, interpreter exit): nothing more to send."""
-    return isinstance(exc, (KeyboardInterrupt, SystemExit))
 
 
 def _ready_pairs(status: Mapping[str, Any]) -> list[tuple[Any, Any]]:
@@ -175,7 +144,7 @@ class Coordinator:
         self.failed_ticks = 0
         """Consecutive ticks that raised (0 after a good one)."""
         self._logged_error: str | None = None
-        self._failpoint = _Failpoint(os.environ.get(FAIL_SWITCH_ENV))
+        self._failpoint = Failpoint(os.environ.get(FAIL_SWITCH_ENV))
         self._switch_every = int(os.environ.get(SWITCH_EVERY_STEPS_ENV) or 0)
         self._model_steps = 0
         self._reloads = 0
@@ -440,113 +409,35 @@ class Coordinator:
 
     # -------------------------------------------------------------------- switch
     def _switch(self, step: int, identity: str | None = None) -> None:
-        """One unit: every rank applies ``step`` (the manifest ``identity``), the prefix cache
-        is reset, the weight version is set, every rank commits.
-
-        Anything that fails between the first ``deltasync_apply`` reaching a rank and the
-        commit is taken back on every rank before the next batch, or the engine holds:
-
-        * some rank answers a failure: :meth:`_take_back` (only if every failed rank put its
-          weights back; else :meth:`_hold`);
-        * the apply broadcast itself raises (an RPC timeout, a rank whose RPC raised): nobody
-          knows which ranks wrote, so every rank is asked to revert; a rank holding the pending
-          switch puts it back, a rank that never wrote and still holds ``before`` keeps it, any
-          other rank resets and answers False (then :meth:`_hold`). The error propagates to
-          :meth:`tick` (counted);
-        * the engine core's own steps raise: the same revert, and the error propagates.
-
-        The commit only drops the ranks' undo, after the weights and the label are the new
-        step: if it fails the switch stands (:meth:`_commit`). A switch that succeeds while
-        the engine holds releases the hold once every rank reports that step
-        (:meth:`_release_hold`).
-        """
-        before = {"applied_step": self.statuses[0].get("applied_step") if self.statuses else None,
-                  "applied_id": self.statuses[0].get("applied_id") if self.statuses else None}
-        started = time.perf_counter()
-        try:
-            results = list(self.engine.collective_rpc("deltasync_apply", args=(step, identity)))
-        except BaseException as exc:
-            if _fatal(exc):
-                raise
-            reason = (f"step {step}: the apply broadcast failed, so no rank is known to have "
-                      f"applied it or not: {type(exc).__name__}: {exc}")
-            self._take_back(step, reason, before)
-            raise SwitchFailed(reason) from exc
-        pause_s = time.perf_counter() - started
-        failed = self._failed_applies(step, results)
-        if failed:
-            self._take_back(step, f"step {step}: " + "; ".join(
-                f"rank {r.get('rank')}: {r.get('error')}" for r in failed), before,
-                revertible=all(r.get("reverted") is True for r in failed))
+        """One unit (``switch.py``: every rank applies ``step``, the prefix cache is reset,
+        the weight version is set, every rank commits; anything else is taken back on every
+        rank), then what outlives it: the label, the hold (:meth:`_hold` when the outcome says
+        some rank could not take it back), the drain, metrics. A switch that succeeds while the
+        engine holds releases the hold once every rank reports that step
+        (:meth:`_release_hold`)."""
+        out = Switch(self.engine, self.config, self.statuses, self._failpoint).run(step, identity)
+        if not out.switched:
+            self.last_error = out.reason
+            if out.hold:
+                self._hold()
+            else:
+                self._release_drain()
+            if out.error is not None:
+                raise out.error
             return
-        try:
-            self._failpoint.at_switch(step)
-            if self.config.reset_prefix_cache:
-                self.engine.reset_prefix_cache(reset_running_requests=True)
-            self.engine.set_weight_version(str(step))
-            self._label = str(step)
-        except BaseException as exc:
-            if _fatal(exc):
-                raise
-            reason = (f"step {step}: the engine core failed the switch after the ranks "
-                      f"applied it: {type(exc).__name__}: {exc}")
-            self._take_back(step, reason, before)
-            raise SwitchFailed(reason) from exc
+        self._label = str(step)
         self._last_switched = step
-        commit_error = self._commit(step)
         if self.held is not None:
             self._release_hold(step)
         self._release_drain()
-        self.metrics.observe_switch(step, pause_s)
+        self.metrics.observe_switch(step, out.pause_s)
         self.last_error = None
-        record = {"step": step, "identity": identity, "pause_s": pause_s, "at": time.time(),
-                  "steps": results[0].get("steps"), "kinds": results[0].get("kinds"),
-                  "apply_s": [r.get("apply_s") for r in results],
-                  "repack_s": [r.get("repack_s") for r in results],
-                  "downloaded_bytes": [r.get("downloaded_bytes") for r in results],
-                  "changed": results[0].get("changed"), "numel": results[0].get("numel")}
-        self.switches.append(record)
-        logger.info("deltasync switched step=%d ranks=%d pause=%.4fs", step, len(results),
-                    pause_s)
-        if commit_error is not None:
-            raise CommitFailed(commit_error)
-
-    def _failed_applies(self, step: int, results: Sequence[Any]) -> list[Mapping[str, Any]]:
-        """The failed answers to ``deltasync_apply``; an answer of the wrong shape or from the
-        wrong rank (a late answer to an earlier broadcast) or a missing one is a failure whose
-        rank did not put anything back."""
-        failed: list[Mapping[str, Any]] = []
-        ranks = max(len(self.statuses), len(results))
-        for i in range(ranks):
-            r = results[i] if i < len(results) else None
-            want = self.statuses[i].get("rank", i) if i < len(self.statuses) else i
-            if not isinstance(r, Mapping) or "ok" not in r or r.get("rank", want) != want:
-                failed.append({"rank": want, "reverted": False,
-                               "error": f"no answer to deltasync_apply({step}) (got "
-                                        f"{type(r).__name__})"})
-            elif r.get("ok") is not True:
-                failed.append(r)
-        return failed
-
-    def _commit(self, step: int) -> str | None:
-        """Every rank drops the undo of the switch to ``step``; the reason when that failed.
-
-        The switch stands either way (every rank wrote it, the label is set). A rank that did
-        not commit keeps reporting ``pending_switch``; :meth:`_settle_pending` sends the commit
-        again at the next ticks (idempotent) and starts no switch until no rank reports one."""
-        try:
-            answers = list(self.engine.collective_rpc("deltasync_commit", args=(step,)))
-        except Exception as exc:  # noqa: BLE001 - the switch stands; the commit is retried
-            error = f"{type(exc).__name__}: {exc}"
-        else:
-            bad = [i for i, a in enumerate(answers) if not isinstance(a, bool)]
-            if not bad and len(answers) >= len(self.statuses):
-                return None
-            error = f"ranks {bad or 'missing'} did not answer the commit"
-        reason = (f"step {step}: the commit broadcast failed ({error}); the switch stands (every "
-                  "rank applied it, the label is set); the commit is sent again at the next tick")
-        logger.error("deltasync %s", reason)
-        return reason
+        assert out.record is not None
+        self.switches.append(out.record)
+        logger.info("deltasync switched step=%d ranks=%d pause=%.4fs", step,
+                    len(out.record["apply_s"]), out.pause_s)
+        if out.commit_error is not None:
+            raise CommitFailed(out.commit_error)
 
     def _settle_pending(self) -> bool:
         """True when some rank reports a pending switch: the last switch's commit is sent again
@@ -566,36 +457,6 @@ class Coordinator:
               "coordinator left: the weights are unknown")
         self._hold()
         return True
-
-    def _take_back(self, step: int, reason: str, before: Mapping[str, Any], *,
-                   revertible: bool = True) -> None:
-        """The switch to ``step`` cannot complete: every rank takes it back before any batch
-        runs, and the version label stays what the weights are again (``before``: the applied
-        step and identity every rank held before the switch). ``revertible`` False: some rank
-        already could not put its weights back. When some rank cannot, or the revert
-        broadcast fails, hold (:meth:`_hold`)."""
-        self.last_error = reason
-        if revertible:
-            try:
-                back = list(self.engine.collective_rpc("deltasync_revert",
-                                                       args=(step, reason, dict(before))))
-            except BaseException as exc:
-                if _fatal(exc):
-                    raise
-                self.last_error += (f"; the revert broadcast failed too: "
-                                    f"{type(exc).__name__}: {exc}")
-            else:
-                if back and len(back) >= len(self.statuses) and all(ok is True for ok in back):
-                    if self.config.reset_prefix_cache:  # it may have run half-way: start clean
-                        self.engine.reset_prefix_cache(reset_running_requests=True)
-                    logger.error("deltasync switch to step %d taken back on every rank; serving "
-                                 "version %s until a newer anchor applies: %s", step,
-                                 self.engine.get_weight_version(), reason)
-                    self._release_drain()
-                    return
-                self.last_error += "; ranks " + ", ".join(
-                    str(i) for i, ok in enumerate(back) if ok is not True) + " could not take it back"
-        self._hold()
 
     def _hold(self) -> None:
         """The ranks' weights are not one version: no batch is scheduled (``PAUSED_ALL``,
