@@ -136,7 +136,7 @@ class _Engine:
     Stopped (SIGSTOP) whenever another engine is measured, so that the one measured runs
     alone as on a server: an idle extension engine still ticks (a status read every poll
     interval, 0.2 s here; its poller lists the bucket), a few % of a core (the extension keeps
-    those reads from making vLLM's worker spin: ``_quiet_status_reads``), and every engine's
+    those reads from making vLLM's worker spin: ``server/vllm/worker.py`` ``quiet_status_reads``), and every engine's
     worker is bound to the same core."""
 
     def __init__(self, mode: str, llm: Any, releaser: _Releaser) -> None:

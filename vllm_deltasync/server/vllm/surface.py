@@ -71,8 +71,9 @@ _MOE = "vllm.model_executor.layers.fused_moe"
 SURFACE: tuple[Symbol, ...] = (
     # ---- installed by the plugin in every vLLM process (no-ops unless the engine names us)
     Symbol(f"{_CORE}:EngineCore.__init__", "patched",
-           "the one engine-core hook: after vLLM built an engine core that names the extension, "
-           "its instance gets the coordinator's hooks (server/vllm/engine.py)",
+           "an engine core built where the plugin is loaded already (in process: LLM with "
+           "VLLM_ENABLE_V1_MULTIPROCESSING=0, external_launcher): once built, an engine naming "
+           "the extension gets the coordinator's hooks on its instance (server/vllm/engine.py)",
            "no engine core ever follows a bucket (the extension refuses on /synced)",
            params=("vllm_config", "executor_class", "log_stats"), private=True),
     Symbol("vllm.model_executor.layers.utils:dispatch_cpu_unquantized_gemm", "patched",
