@@ -127,16 +127,8 @@ def engine_env(
 ) -> Iterator[None]:
     """Environment for one vLLM engine: private cache/IPC dirs, small KV cache, deltasync vars
     (``extra``: more variables, e.g. where a network bucket's server is)."""
-    import tempfile
-
-    rpc = tempfile.mkdtemp(prefix="vrpc")  # unix socket paths must stay under 107 bytes
-    env = {
-        "VLLM_CACHE_ROOT": str(tmp / "vllm-cache"),
-        "VLLM_RPC_BASE_PATH": rpc,
-        "VLLM_CPU_KVCACHE_SPACE": "1",
-        "VLLM_CPU_OMP_THREADS_BIND": "0|1" if tp == 2 else "0",
-        "TOKENIZERS_PARALLELISM": "false",
-    }
+    env = _engine_vars(tmp, tp)
+    rpc = env["VLLM_RPC_BASE_PATH"]
     env.update(extra or {})
     env.update({f"VLLM_DELTASYNC_{k.upper()}": str(v) for k, v in deltasync.items()})
     saved = {k: os.environ.get(k) for k in env}
@@ -154,6 +146,36 @@ def engine_env(
         import shutil
 
         shutil.rmtree(rpc, ignore_errors=True)
+
+
+def _engine_vars(tmp: Path, tp: int) -> dict[str, str]:
+    """The variables every test engine runs with: private cache and IPC dirs (a new one under
+    /tmp: unix socket paths must stay under 107 bytes), a small KV cache, one core per rank."""
+    import tempfile
+
+    return {
+        "VLLM_CACHE_ROOT": str(tmp / "vllm-cache"),
+        "VLLM_RPC_BASE_PATH": tempfile.mkdtemp(prefix="vrpc"),
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "VLLM_CPU_OMP_THREADS_BIND": "0|1" if tp == 2 else "0",
+        "TOKENIZERS_PARALLELISM": "false",
+    }
+
+
+def run_engine_child(tmp: Path, script: str, *args: str, env: dict[str, str], timeout: float,
+                     hang: str) -> subprocess.CompletedProcess[str]:
+    """Run ``script`` (``python -c``, starting its own TP=1 engines) in a child process with
+    the test engine variables and ``env`` on top of this process's environment; fail the test
+    with ``hang`` if it passes ``timeout`` seconds (a hang fails the test, not the suite), and
+    unless it exits 0."""
+    full_env = {**os.environ, **_engine_vars(tmp, 1), **env}
+    try:
+        proc = subprocess.run([sys.executable, "-c", script, *args], cwd=REPO, env=full_env,
+                              capture_output=True, text=True, timeout=timeout, check=False)
+    except subprocess.TimeoutExpired as exc:
+        pytest.fail(f"{hang}: {exc}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
 
 
 def _fresh_vllm_envs() -> None:

@@ -12,9 +12,6 @@ offline ``LLM``.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -22,7 +19,7 @@ import pytest
 
 from examples.toymodel import build_model
 
-from .conftest import REPO, api_server, complete, free_port, get_json, requires_vllm
+from .conftest import api_server, complete, free_port, get_json, requires_vllm, run_engine_child
 
 BAD = {"VLLM_DELTASYNC_DRAFTER_URL": "file:///tmp/nowhere"}
 
@@ -69,22 +66,12 @@ OFFLINE = textwrap.dedent('''
 @requires_vllm
 @pytest.mark.engine
 def test_offline_llm_with_a_misspelt_variable_serves_and_says_why(tmp_path: Path) -> None:
-    import tempfile
-
     model_dir = build_model(tmp_path / "model", "llama", seed=4)
     port = free_port()
-    env = {**os.environ, "VLLM_DELTASYNC_URL": f"file://{tmp_path}/bucket", **BAD,
-           "VLLM_DELTASYNC_METRICS_PORT": str(port), "VLLM_DELTASYNC_METRICS_HOST": "127.0.0.1",
-           "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CACHE_ROOT": str(tmp_path / "vllm-cache"),
-           "VLLM_RPC_BASE_PATH": tempfile.mkdtemp(prefix="vrpc"),
-           "VLLM_CPU_OMP_THREADS_BIND": "0", "TOKENIZERS_PARALLELISM": "false"}
-    try:
-        proc = subprocess.run([sys.executable, "-c", OFFLINE, str(model_dir), str(port)],
-                              cwd=REPO, env=env, capture_output=True, text=True, timeout=240,
-                              check=False)
-    except subprocess.TimeoutExpired as exc:
-        pytest.fail(f"LLM(...) hung with a misspelt VLLM_DELTASYNC_* variable: {exc}")
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    env = {"VLLM_DELTASYNC_URL": f"file://{tmp_path}/bucket", **BAD,
+           "VLLM_DELTASYNC_METRICS_PORT": str(port), "VLLM_DELTASYNC_METRICS_HOST": "127.0.0.1"}
+    proc = run_engine_child(tmp_path, OFFLINE, str(model_dir), str(port), env=env, timeout=240,
+                            hang="LLM(...) hung with a misspelt VLLM_DELTASYNC_* variable")
     lines = proc.stdout.splitlines()
     assert any(x.startswith("TOKENS [") for x in lines), proc.stdout
     [synced] = [x for x in lines if x.startswith("SYNCED")]

@@ -14,10 +14,6 @@ In one child process (with a deadline), with the surface check made to fail for 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-import tempfile
 import textwrap
 from pathlib import Path
 
@@ -26,7 +22,7 @@ import pytest
 from examples.toymodel import build_model
 from vllm_deltasync.server.vllm.surface import BREAK_ENV
 
-from .conftest import REPO, free_port, requires_vllm
+from .conftest import free_port, requires_vllm, run_engine_child
 
 SYMBOL = "vllm.v1.engine.core:EngineCoreProc._handle_client_request"
 
@@ -61,18 +57,10 @@ CHILD = textwrap.dedent('''
 def test_a_missing_symbol_refuses_the_extension_and_vllm_serves(tmp_path: Path) -> None:
     model_dir = build_model(tmp_path / "model", "llama", seed=5)
     port = free_port()
-    env = {**os.environ, "VLLM_DELTASYNC_URL": f"file://{tmp_path}/bucket", BREAK_ENV: SYMBOL,
-           "VLLM_DELTASYNC_METRICS_PORT": str(port), "VLLM_DELTASYNC_METRICS_HOST": "127.0.0.1",
-           "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CACHE_ROOT": str(tmp_path / "vllm-cache"),
-           "VLLM_RPC_BASE_PATH": tempfile.mkdtemp(prefix="vrpc"),
-           "VLLM_CPU_OMP_THREADS_BIND": "0", "TOKENIZERS_PARALLELISM": "false"}
-    try:
-        proc = subprocess.run([sys.executable, "-c", CHILD, str(model_dir), str(port)],
-                              cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
-                              check=False)
-    except subprocess.TimeoutExpired as exc:
-        pytest.fail(f"an engine hung with the surface check failing: {exc}")
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    env = {"VLLM_DELTASYNC_URL": f"file://{tmp_path}/bucket", BREAK_ENV: SYMBOL,
+           "VLLM_DELTASYNC_METRICS_PORT": str(port), "VLLM_DELTASYNC_METRICS_HOST": "127.0.0.1"}
+    proc = run_engine_child(tmp_path, CHILD, str(model_dir), str(port), env=env, timeout=300,
+                            hang="an engine hung with the surface check failing")
     [line] = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
     out = json.loads(line[len("RESULT "):])
     assert out["plain_plugin_loaded"] and out["extension_plugin_loaded"], out

@@ -63,12 +63,9 @@ FAILING_AFTER = 3
 """Consecutive failed ticks after which the coordinator reports itself failing (``/synced``
 answers 503, ``deltasync_coordinator_failing`` is 1) until a tick succeeds."""
 
-
-
 STAGED_TICKS = 10
 """Ticks a staged step may wait for its switch before :meth:`Coordinator._watch_staged` logs
 every rank's status (at the default 2 s poll interval, 20 s)."""
-
 
 
 def _ready_pairs(status: Mapping[str, Any]) -> list[tuple[Any, Any]]:

@@ -116,13 +116,8 @@ class Switch:
             results: list[ApplyResult] = list(
                 self.engine.collective_rpc("deltasync_apply", args=(step, identity)))
         except BaseException as exc:
-            if fatal(exc):
-                raise
-            reason = (f"step {step}: the apply broadcast failed, so no rank is known to have "
-                      f"applied it or not: {type(exc).__name__}: {exc}")
-            out = self.take_back(step, reason, before)
-            out.error = _failed(reason, exc)
-            return out
+            return self._raised(step, "the apply broadcast failed, so no rank is known to have "
+                                "applied it or not", exc, before)
         pause_s = time.perf_counter() - started
         failed = self.failed_applies(step, results)
         if failed:
@@ -135,13 +130,8 @@ class Switch:
                 self.engine.reset_prefix_cache(reset_running_requests=True)
             self.engine.set_weight_version(str(step))
         except BaseException as exc:
-            if fatal(exc):
-                raise
-            reason = (f"step {step}: the engine core failed the switch after the ranks "
-                      f"applied it: {type(exc).__name__}: {exc}")
-            out = self.take_back(step, reason, before)
-            out.error = _failed(reason, exc)
-            return out
+            return self._raised(step, "the engine core failed the switch after the ranks "
+                                "applied it", exc, before)
         record = {"step": step, "identity": identity, "pause_s": pause_s, "at": time.time(),
                   "steps": results[0].get("steps"), "kinds": results[0].get("kinds"),
                   "apply_s": [r.get("apply_s") for r in results],
@@ -150,6 +140,18 @@ class Switch:
                   "changed": results[0].get("changed"), "numel": results[0].get("numel")}
         return Outcome(step, switched=True, pause_s=pause_s, record=record,
                        commit_error=self.commit(step))
+
+    def _raised(self, step: int, what: str, exc: BaseException,
+                before: Mapping[str, Any]) -> Outcome:
+        """The apply broadcast or the engine core's own steps raised: take back on every rank;
+        the outcome carries the :class:`SwitchFailed` to raise. A fatal ``exc`` propagates."""
+        if fatal(exc):
+            raise exc
+        reason = f"step {step}: {what}: {type(exc).__name__}: {exc}"
+        out = self.take_back(step, reason, before)
+        out.error = SwitchFailed(reason)
+        out.error.__cause__ = exc
+        return out
 
     def failed_applies(self, step: int, results: Sequence[Any]) -> list[Mapping[str, Any]]:
         """The failed answers to ``deltasync_apply``; an answer of the wrong shape or from the
@@ -214,12 +216,6 @@ class Switch:
             return Outcome(step, switched=False, reason=reason)
         return Outcome(step, switched=False, hold=True, reason=reason + "; ranks " + ", ".join(
             str(i) for i, ok in enumerate(back) if ok is not True) + " could not take it back")
-
-
-def _failed(reason: str, cause: BaseException) -> SwitchFailed:
-    error = SwitchFailed(reason)
-    error.__cause__ = cause
-    return error
 
 
 __all__ = ["CommitFailed", "Failpoint", "Outcome", "Switch", "SwitchFailed", "SwitchHeld",

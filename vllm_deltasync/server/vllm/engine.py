@@ -61,10 +61,6 @@ class EngineHandle:
     def scheduler(self) -> Any:
         return self._engine.scheduler
 
-    @property
-    def vllm_config(self) -> Any:
-        return self._engine.vllm_config
-
     def __getattr__(self, name: str) -> Any:
         if name in EngineHandle._METHODS:
             return getattr(type(self._engine), name).__get__(self._engine)

@@ -375,19 +375,21 @@ def check_symbol(symbol: Symbol, index: _Index) -> Finding:
     return Finding(symbol, "")
 
 
-def check(read: SourceReader = installed_source,
-          symbols: Iterable[Symbol] = SURFACE) -> list[Finding]:
+def check(read: SourceReader = installed_source, symbols: Iterable[Symbol] = SURFACE, *,
+          breaks: bool = True) -> list[Finding]:
     """Every symbol of the table looked up in the source ``read`` gives (see the module doc).
-    :data:`BREAK_ENV` makes the named entries fail (tests)."""
+    :data:`BREAK_ENV` makes the named entries fail (tests), unless ``breaks`` is False."""
     index = _Index(read)
-    broken = {b.strip() for b in os.environ.get(BREAK_ENV, "").split(",") if b.strip()}
-    out = []
-    for i, symbol in enumerate(symbols):
-        if symbol.name in broken or ("*" in broken and i == 0):
-            out.append(Finding(symbol, f"made to fail by {BREAK_ENV}"))
-            continue
-        out.append(check_symbol(symbol, index))
-    return out
+    symbols = list(symbols)
+    broken = _broken(symbols) if breaks else set()
+    return [Finding(symbol, f"made to fail by {BREAK_ENV}") if symbol.name in broken
+            else check_symbol(symbol, index) for symbol in symbols]
+
+
+def _broken(symbols: list[Symbol]) -> set[str]:
+    """The names :data:`BREAK_ENV` makes fail among ``symbols`` (``*``: the first)."""
+    names = {b.strip() for b in os.environ.get(BREAK_ENV, "").split(",") if b.strip()}
+    return {s.name for i, s in enumerate(symbols) if s.name in names or ("*" in names and i == 0)}
 
 
 def problems(findings: Iterable[Finding] | None = None) -> list[str]:
@@ -396,30 +398,36 @@ def problems(findings: Iterable[Finding] | None = None) -> list[str]:
     return [f"{f.symbol.name}: {f.problem}" for f in found if not f.ok]
 
 
+_installed: list[str] | None = None
+""":func:`cached_problems` of this process, before :data:`BREAK_ENV`."""
+
+
 def cached_problems() -> list[str]:
-    """:func:`problems` for the installed vLLM, the ``ast`` pass (about 2 s) done once per vLLM
-    installation and table: kept in ``$VLLM_CACHE_ROOT/deltasync/`` (or ``~/.cache/vllm``), keyed
-    by the vLLM version, its files' sizes and times, and the table. :data:`BREAK_ENV` applies."""
-    broken = [f"{s.name}: made to fail by {BREAK_ENV}" for f in [os.environ.get(BREAK_ENV, "")]
-              for i, s in enumerate(SURFACE)
-              if s.name in {b.strip() for b in f.split(",")} or (f.strip() == "*" and i == 0)]
+    """:func:`problems` for the installed vLLM, the ``ast`` pass (about 0.5 s) done once per
+    vLLM installation and table: kept in ``$VLLM_CACHE_ROOT/deltasync/`` (or ``~/.cache/vllm``),
+    keyed by the vLLM version, its files' sizes and times, and the table; and once per process.
+    :data:`BREAK_ENV` applies."""
+    global _installed
+    broken = _broken(list(SURFACE))
+    lines = [f"{s.name}: made to fail by {BREAK_ENV}" for s in SURFACE if s.name in broken]
+    if _installed is None:
+        _installed = _file_cached(lambda: problems(check(breaks=False)))
+    return lines + _installed
+
+
+def _file_cached(compute: Callable[[], list[str]]) -> list[str]:
     key = hashlib.sha256(repr((vllm_version(), _stamp(), SURFACE)).encode()).hexdigest()[:16]
     root = Path(os.environ.get("VLLM_CACHE_ROOT") or Path.home() / ".cache" / "vllm")
     path = root / "deltasync" / f"surface-{key}.json"
     with contextlib.suppress(OSError, ValueError):
-        return broken + list(json.loads(path.read_text(encoding="utf-8")))
-    saved = os.environ.pop(BREAK_ENV, None)
-    try:
-        found = problems()
-    finally:
-        if saved is not None:
-            os.environ[BREAK_ENV] = saved
+        return list(json.loads(path.read_text(encoding="utf-8")))
+    found = compute()
     with contextlib.suppress(OSError):
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
         tmp.write_text(json.dumps(found), encoding="utf-8")
         os.replace(tmp, path)
-    return broken + found
+    return found
 
 
 def _stamp() -> tuple[tuple[str, int, int], ...]:

@@ -48,10 +48,6 @@ def tensor_parallel_size(worker: Any) -> int:
     return int(worker.vllm_config.parallel_config.tensor_parallel_size)
 
 
-def model_of(worker: Any) -> torch.nn.Module:
-    return worker.model_runner.model  # type: ignore[no-any-return]
-
-
 def layout_source(worker: Any) -> Callable[[], dict[str, Any]]:
     """What ``RankState(layout_specs=...)`` calls: the layouts of the worker's current model."""
     return lambda: layout_specs(worker.model_runner.model)
