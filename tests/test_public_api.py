@@ -321,6 +321,8 @@ SAMPLES: dict[str, tuple[str, Any]] = {
     "reset_prefix_cache": ("false", False),
     "max_chain": ("9", 9),
     "max_drain_wait_s": ("2.5", 2.5),
+    "update_wait_s": ("30", 30.0),
+    "min_version_wait_s": ("1.5", 1.5),
     "metrics_port": ("0", 0),
     "metrics_host": ("127.0.0.1", "127.0.0.1"),
     "debug_ring_size": ("17", 17),

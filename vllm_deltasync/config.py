@@ -80,6 +80,15 @@ class SyncConfig:
     max_drain_wait_s: float = 60.0
     """With ``in_flight="drain"``: longest wait for running requests before switching anyway."""
 
+    update_wait_s: float = 60.0
+    """vLLM's weight-transfer API, backend ``deltasync`` (docs/extension.md): longest time the
+    trainer's ``update_weights({"step": N})`` waits for every rank to have step ``N`` staged
+    before it fails naming the step. The engine core schedules no batch while it waits."""
+
+    min_version_wait_s: float = 5.0
+    """HTTP: longest time a request with ``X-Min-Weight-Version: N`` waits for step ``N`` to be
+    applied before it is answered 409 (``Retry-After``); ``0``: answer at once."""
+
     metrics_port: int = 9464
     """The engine core serves ``GET /metrics`` (Prometheus) and ``GET /synced`` (JSON: each
     rank's applied step, newest step, last error) on this port; ``0`` turns it off. With data
@@ -129,12 +138,15 @@ class SyncConfig:
                 "VLLM_DELTASYNC_URL or additional_config.deltasync.url to e.g. file:///path/bucket"
             )
         _positive(self, "poll_interval_s", "download_concurrency", "max_staged_bytes",
-                  "max_chain", "debug_ring_size")
+                  "max_chain", "debug_ring_size", "update_wait_s")
         if self.max_device_staged_bytes < 0:
             raise ConfigError(f"deltasync max_device_staged_bytes={self.max_device_staged_bytes} "
                               "must be >= 0 (0: stage on the host only)")
         if self.max_drain_wait_s < 0:
             raise ConfigError(f"deltasync max_drain_wait_s={self.max_drain_wait_s} must be >= 0")
+        if not 0 <= self.min_version_wait_s <= 3600:
+            raise ConfigError(f"deltasync min_version_wait_s={self.min_version_wait_s} must be "
+                              "between 0 and 3600 seconds")
         if self.on_start not in ("catch_up", "wait"):
             raise ConfigError(f"deltasync on_start={self.on_start!r}: use 'catch_up' or 'wait'")
         if self.loaded_step is not None and self.loaded_step < 0:

@@ -34,6 +34,8 @@ def exported_names() -> set[str]:
                "last_discovery_at": 1.0,
                "counters": stats.snapshot(type("S", (), {"requests": {("read", "ok"): 1}})())}])
     m.observe_switch(1, 0.1)
+    m.observe_admission(2)
+    m.count_conflict("min_timeout")
     return {s.name for family in m.registry.collect() for s in family.samples}
 
 

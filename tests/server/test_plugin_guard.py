@@ -6,7 +6,8 @@ the real vLLM installed, each vLLM symbol we patch on a class or module (the ``p
 ``server/vllm/surface.py``) is removed in turn: the entry point returns without raising, leaves
 that patch out whole, installs the others, and records one line naming the symbol and the vLLM
 version, which an engine naming the extension answers as its refusal. The worker's quiet-reads
-patch (installed by ``deltasync_start``) is left out silently. With the surface check made to
+patch (installed by ``deltasync_start``) and the hand-over of the HTTP endpoint plugin are left
+out without a refusal (the weights follow as usual). With the surface check made to
 fail, the engine core's refusal line names the symbol and the version.
 """
 
@@ -30,7 +31,10 @@ SYMBOLS = [
     ("vllm.v1.engine.core", "DPEngineCoreProc", "run_busy_loop", "_patch_engine_core"),
     ("vllm.model_executor.layers.utils", "", "dispatch_cpu_unquantized_gemm", "_patch_cpu_gemm"),
     ("vllm.v1.executor.multiproc_executor", "WorkerProc", "_execute_worker_rpc", ""),
+    ("vllm.plugins", "", "load_endpoint_plugins", "_hand_endpoint_plugin"),
 ]
+#: Patches whose absence refuses nothing: the weights follow as usual (only a feature is off).
+QUIET = ("", "_hand_endpoint_plugin")
 
 CHILD = textwrap.dedent('''
     import importlib, json, os, sys
@@ -51,7 +55,10 @@ CHILD = textwrap.dedent('''
         core = importlib.import_module("vllm.v1.engine.core")
         utils = importlib.import_module("vllm.model_executor.layers.utils")
         proc = importlib.import_module("vllm.v1.executor.multiproc_executor")
+        plugins = importlib.import_module("vllm.plugins")
         return {
+            "_hand_endpoint_plugin": bool(getattr(
+                getattr(plugins, "load_endpoint_plugins", None), "_deltasync_patched", False)),
             "_patch_engine_core": any(
                 getattr(f, "_deltasync_patched", False)
                 for f in (core.EngineCore.__init__, vars(core.EngineCoreProc).get("run_busy_loop"),
@@ -91,7 +98,7 @@ def test_the_table_names_each_patched_symbol_once() -> None:
     assert {f"{m}:{c + '.' if c else ''}{a}" for m, c, a, _ in SYMBOLS} == patched
     assert len({s.name for s in SURFACE}) == len(SURFACE)
     for s in SURFACE:
-        assert s.kind in ("patched", "wrapped", "called", "read"), s
+        assert s.kind in ("patched", "wrapped", "called", "read", "subclassed"), s
         assert s.why and s.without, s
 
 
@@ -115,7 +122,7 @@ def test_each_missing_symbol_leaves_its_patch_out_and_vllm_unbroken() -> None:
         others = {name: ok for name, ok in r["installed"].items() if name != patch}
         assert all(others.values()), r  # every other patch is in
         assert not r["installed"][patch], r  # this one is left out
-        if not patch:  # the worker's quiet reads: left out silently, nothing refuses
+        if patch in QUIET:  # the worker's quiet reads, the HTTP headers: nothing refuses
             assert r["refusals"] == [] and r["surface"] is None, r
             continue
         assert len(r["refusals"]) == 1, r  # one line, for the one patch that could not go in

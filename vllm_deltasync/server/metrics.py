@@ -80,6 +80,9 @@ STAGES = ("discover", "download", "verify", "decode", "stage", "apply")
 KINDS = ("anchor", "delta")
 _OUTCOMES = ("ok", "error", "rate_limited")
 _DOWNLOAD_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+_BEHIND_BUCKETS = (0, 1, 2, 3, 5, 10, 20, 50, 100)
+CONFLICT_REASONS = ("min_timeout", "exact_behind", "exact_passed", "exact_switched")
+"""Why a request was answered 409 (label ``reason`` of ``deltasync_version_conflicts_total``)."""
 _APPLY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 _MAX_EVENTS = 1024
 
@@ -135,6 +138,11 @@ _COUNTERS: tuple[tuple[str, str, str, tuple[str, ...]], ...] = (
     ("coordinator_failures", "coordinator_failures",
      "Engine-core ticks that failed (a switch taken back by the engine core, a status poll that "
      "raised); the error is in the log and /synced.", ()),
+    ("version_conflicts", "version_conflicts",
+     "HTTP requests answered 409 because the weights they demanded were not served, by reason: "
+     "min_timeout (X-Min-Weight-Version not reached in min_version_wait_s), exact_behind / "
+     "exact_passed (X-Exact-Weight-Version newer / older than the applied step), "
+     "exact_switched (a switch happened while an exact request ran).", ("reason",)),
 )
 #: (attribute, name without prefix, help, labels, buckets) of every histogram.
 _HISTOGRAMS: tuple[tuple[str, str, str, tuple[str, ...], tuple[float, ...]], ...] = (
@@ -144,6 +152,10 @@ _HISTOGRAMS: tuple[tuple[str, str, str, tuple[str, ...], tuple[float, ...]], ...
      "Time one rank spent writing one step into its weights.", _R, _APPLY_BUCKETS),
     ("pause_duration", "pause_duration_seconds",
      "Engine pause for one switch (every rank applies, prefix cache reset).", (), _APPLY_BUCKETS),
+    ("admission_steps_behind", "admission_steps_behind",
+     "Per request added to the engine: how many steps the applied weights were behind the "
+     "newest step any rank saw in the bucket (newest + 1 before the first apply).", (),
+     _BEHIND_BUCKETS),
 )
 
 
@@ -277,6 +289,8 @@ class SyncMetrics:
     download_duration: Histogram
     apply_duration: Histogram
     pause_duration: Histogram
+    admission_steps_behind: Histogram
+    version_conflicts: Counter
 
     def __init__(
         self,
@@ -293,6 +307,8 @@ class SyncMetrics:
         self._coordinator: dict[str, Any] = {"failing": False, "last_error": None}
         self._build(self.registry)
         self.coordinator_failing.set(0)
+        for reason in CONFLICT_REASONS:  # exported at 0, so rate() answers before the first 409
+            self.version_conflicts.labels(reason)
         if bucket_url:
             self.bucket_info.labels(redact_url(bucket_url), str(format_version)).set(1)
 
@@ -331,6 +347,15 @@ class SyncMetrics:
         self.switches.inc()
         self.pause_duration.observe(pause_s)
         self.last_switch_ts.set(time.time() if now is None else now)
+
+    def observe_admission(self, steps_behind: int) -> None:
+        """A request was added to the engine while it served ``steps_behind`` steps behind."""
+        self.admission_steps_behind.observe(max(int(steps_behind), 0))
+
+    def count_conflict(self, reason: str) -> None:
+        """The API server answered a request 409 (:data:`CONFLICT_REASONS`)."""
+        if reason in CONFLICT_REASONS:
+            self.version_conflicts.labels(reason).inc()
 
     def coordinator_state(self, *, failing: bool, error: BaseException | None = None) -> None:
         """After each engine-core tick: ``error`` when it failed (counted by class), ``failing``

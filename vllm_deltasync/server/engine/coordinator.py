@@ -107,6 +107,40 @@ def common_after_reset(statuses: Sequence[Mapping[str, Any]]) -> tuple[int, str 
     return int(step), identity
 
 
+def staged_target(statuses: Sequence[Mapping[str, Any]], step: int, identity: str | None, *,
+                  after_reset: bool = False) -> tuple[int, str | None] | None:
+    """(step, identity as the ranks report it) when every rank has ``step`` staged, ready to
+    switch to, or None. As :func:`common_ready`: the ranks on the same applied step (and
+    identity) with the same (step, id) pairs up to ``step``; ``after_reset`` (the engine holds
+    and every rank forgot its step): ``step`` among every rank's ready pairs, as
+    :func:`common_after_reset`. ``identity`` (the trainer's manifest identity), where both it
+    and the ranks name one, must be the ranks' (a delta never applies onto other weights)."""
+    if not statuses:
+        return None
+    candidates: list[tuple[Any, Any]] = []
+    if after_reset:
+        if any(s.get("applied_step") is not None for s in statuses):
+            return None
+        common = set.intersection(*(set(_ready_pairs(s)) for s in statuses))
+        candidates = [pair for pair in common if pair[0] == step]
+    elif len({(s.get("applied_step"), s.get("applied_id")) for s in statuses}) == 1:
+        for pairs in zip(*(_ready_pairs(s) for s in statuses), strict=False):
+            if len(set(pairs)) != 1:
+                break
+            if pairs[0][0] == step:
+                candidates = [pairs[0]]
+                break
+    for found, found_id in candidates:
+        if identity is None or found_id is None or found_id == identity:
+            return int(found), found_id
+    return None
+
+
+class WeightUpdateRefused(RuntimeError):
+    """The trainer's ``update_weights`` (weight-transfer backend ``deltasync``) did not switch:
+    the message names the step and why (raised to the caller of vLLM's ``update_weights``)."""
+
+
 def common_ready_step(statuses: Sequence[Mapping[str, Any]]) -> int | None:
     """The step of :func:`common_ready`, or None."""
     found = common_ready(statuses)
@@ -117,9 +151,13 @@ class Coordinator:
     """Decides when all ranks switch; resets the prefix cache; sets the weight version."""
 
     def __init__(self, engine: Any, config: SyncConfig, *, wake: Callable[[], None] | None,
-                 pause_states: Any) -> None:
+                 pause_states: Any, trainer_driven: bool = False) -> None:
         self.engine = engine
         self.config = config
+        self.trainer_driven = trainer_driven
+        """vLLM's weight-transfer API with backend ``deltasync``: the ranks' pollers stage steps
+        as usual, but only the trainer's ``update_weights`` switches (:meth:`update_to`); a
+        tick switches only to release a hold (docs/extension.md)."""
         self._wake = wake
         self._pause = pause_states
         self.metrics = SyncMetrics(bucket_url=config.url, format_version=SCHEMA_VERSION)
@@ -316,7 +354,7 @@ class Coordinator:
         if found is None:
             self._release_drain()
             return
-        if not may_switch:
+        if not may_switch or (self.trainer_driven and self.held is None):
             return
         if self.config.in_flight == "drain" and not self._drained():
             return
@@ -342,6 +380,8 @@ class Coordinator:
             return
         self._staged = (key, ticks, True)
         why = ("held: " + self.held if self.held is not None
+               else "trainer-driven: waiting for the trainer's update_weights"
+               if self.trainer_driven
                else "draining" if self._drain_since is not None
                else "no step staged on every rank" if common_ready(self.statuses) is None
                else "a switch is due")
@@ -405,13 +445,14 @@ class Coordinator:
                 self.engine.scheduler.set_pause_state(self._pause.UNPAUSED)
 
     # -------------------------------------------------------------------- switch
-    def _switch(self, step: int, identity: str | None = None) -> None:
+    def _switch(self, step: int, identity: str | None = None) -> bool:
         """One unit (``switch.py``: every rank applies ``step``, the prefix cache is reset,
         the weight version is set, every rank commits; anything else is taken back on every
         rank), then what outlives it: the label, the hold (:meth:`_hold` when the outcome says
         some rank could not take it back), the drain, metrics. A switch that succeeds while the
         engine holds releases the hold once every rank reports that step
-        (:meth:`_release_hold`)."""
+        (:meth:`_release_hold`). True when the switch stands (a :class:`CommitFailed` raised
+        after it says the same), False when it was taken back."""
         out = Switch(self.engine, self.config, self.statuses, self._failpoint).run(step, identity)
         if not out.switched:
             self.last_error = out.reason
@@ -421,7 +462,7 @@ class Coordinator:
                 self._release_drain()
             if out.error is not None:
                 raise out.error
-            return
+            return False
         self._label = str(step)
         self._last_switched = step
         if self.held is not None:
@@ -435,6 +476,106 @@ class Coordinator:
                     len(out.record["apply_s"]), out.pause_s)
         if out.commit_error is not None:
             raise CommitFailed(out.commit_error)
+        return True
+
+    # ------------------------------------------------------ trainer-driven (weight transfer)
+    def update_to(self, step: Any, identity: Any = None, *,
+                  wait_s: float | None = None) -> dict[str, Any]:
+        """The trainer's ``update_weights({"step": N, "identity": ...})`` (vLLM's weight-transfer
+        API, backend ``deltasync``), on the busy-loop thread (the engine core schedules no batch
+        meanwhile): wait, at most ``wait_s`` (default ``update_wait_s``), until every rank has
+        step ``N`` staged, then switch to it as a tick would (:meth:`_switch`: every rank, the
+        prefix cache, the weight version, the commit; or taken back on every rank).
+
+        Step ``N`` already applied (same identity): nothing to do. Older than the applied step,
+        applied with another identity, not staged in time, or taken back: a
+        :class:`WeightUpdateRefused` naming the step and why."""
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise WeightUpdateRefused(f"update_weights: step={step!r} must be an integer >= 0 "
+                                      "(the bucket step the trainer published)")
+        if identity is not None and not isinstance(identity, str):
+            raise WeightUpdateRefused(f"update_weights: identity={identity!r} must be a string "
+                                      "(the manifest identity) or None")
+        if not self.active:
+            raise WeightUpdateRefused(
+                f"update_weights to step {step}: deltasync does not follow on this server: "
+                f"{self.last_error or 'the coordinator is not active'}")
+        wait_s = self.config.update_wait_s if wait_s is None else float(wait_s)
+        deadline = time.monotonic() + wait_s
+        while True:
+            self.statuses = list(self.engine.collective_rpc("deltasync_status"))
+            self.metrics.update(self.statuses)
+            self._check_reloads()
+            if not self.active:
+                raise WeightUpdateRefused(f"update_weights to step {step}: deltasync stopped "
+                                          f"following: {self.last_error}")
+            done = self._applied_already(step, identity)
+            if done is not None:
+                return done
+            if not ((self.held is not None and self._resync_held()) or self._settle_pending()):
+                target = staged_target(self.statuses, step, identity,
+                                       after_reset=self.held is not None)
+                if target is not None:
+                    return self._switch_for_trainer(*target)
+            if time.monotonic() >= deadline:
+                raise WeightUpdateRefused(self._not_staged(step, identity, wait_s))
+            time.sleep(0.05)
+
+    def _applied_already(self, step: int, identity: str | None) -> dict[str, Any] | None:
+        """The no-op answer when every rank has ``step`` applied; raise when the applied step
+        is newer, or ``step`` with another identity; None otherwise (wait and switch)."""
+        applied = {(s.get("applied_step"), s.get("applied_id")) for s in self.statuses}
+        if len(applied) != 1 or self.held is not None:
+            return None
+        (applied_step, applied_id), = applied
+        if applied_step is None:
+            return None
+        if step < applied_step:
+            raise WeightUpdateRefused(
+                f"update_weights to step {step} refused: this server applied step "
+                f"{applied_step}, which is newer (a step older than the applied one never "
+                "applies; publish a new step)")
+        if step != applied_step:
+            return None
+        if identity is not None and applied_id is not None and applied_id != identity:
+            raise WeightUpdateRefused(
+                f"update_weights to step {step} refused: this server applied step {step} of "
+                f"another manifest (identity {applied_id}, the trainer's is {identity}): "
+                "another writer, or a restarted trainer reusing the step number")
+        return {"step": step, "identity": applied_id, "switched": False}
+
+    def _switch_for_trainer(self, step: int, identity: str | None) -> dict[str, Any]:
+        try:
+            switched = self._switch(step, identity)
+        except CommitFailed as exc:  # the switch stands; the commit is sent again at a tick
+            logger.warning("deltasync: %s", exc)
+            switched = True
+        except SwitchFailed as exc:
+            raise WeightUpdateRefused(
+                f"update_weights to step {step} failed: {exc}; "
+                + (f"the engine holds: {self.held}" if self.held is not None
+                   else f"every rank took it back, serving version "
+                        f"{self.engine.get_weight_version()}")) from exc
+        if not switched:
+            raise WeightUpdateRefused(
+                f"update_weights to step {step} failed: {self.last_error}; "
+                + (f"the engine holds: {self.held}" if self.held is not None
+                   else f"every rank took it back, serving version "
+                        f"{self.engine.get_weight_version()}"))
+        record = self.switches[-1] if self.switches else {}
+        return {"step": step, "identity": identity, "switched": True,
+                "pause_s": record.get("pause_s")}
+
+    def _not_staged(self, step: int, identity: str | None, wait_s: float) -> str:
+        ranks = "; ".join(
+            f"rank {s.get('rank', i)}: applied={s.get('applied_step')} "
+            f"ready={s.get('ready_steps')} newest={s.get('newest_step')} "
+            f"error={s.get('last_error')}" for i, s in enumerate(self.statuses))
+        which = f" with identity {identity}" if identity is not None else ""
+        held = f"; the engine holds: {self.held}" if self.held is not None else ""
+        return (f"update_weights to step {step}: step {step}{which} is not staged on every "
+                f"rank after {wait_s:g}s (update_wait_s); is it committed to "
+                f"{self.config.redacted_url()}?{held} Ranks: {ranks}")
 
     def _settle_pending(self) -> bool:
         """True when some rank reports a pending switch: the last switch's commit is sent again
@@ -530,6 +671,18 @@ class Coordinator:
             self.holds[-1].update(released_at=time.time(), released_step=step)
         self.metrics.coordinator_state(failing=self.failed_ticks >= FAILING_AFTER)
 
+    def observe_admission(self) -> None:
+        """A request was added to this engine: record how far behind the bucket it is served
+        (from the ranks' last status: the newest step any rank saw, the oldest applied)."""
+        newest = [int(n) for s in self.statuses
+                  if isinstance(s, Mapping) and isinstance(n := s.get("newest_step"), int)]
+        if not newest:
+            return
+        applied = [s.get("applied_step") for s in self.statuses if isinstance(s, Mapping)]
+        known = [a for a in applied if isinstance(a, int)]
+        base = min(known) if known and len(known) == len(applied) else -1
+        self.metrics.observe_admission(max(newest) - base)
+
     def engine_status(self) -> EngineStatus:
         """What the engine core knows (``call_utility("deltasync_engine_status")``)."""
         return {
@@ -551,5 +704,5 @@ class Coordinator:
 
 
 __all__ = ["FAILING_AFTER", "FAIL_APPLY_RPC_ENV", "FAIL_SWITCH_ENV", "SWITCH_EVERY_STEPS_ENV",
-           "CommitFailed", "Coordinator", "SwitchFailed", "SwitchHeld", "common_after_reset",
-           "common_ready", "common_ready_step"]
+           "CommitFailed", "Coordinator", "SwitchFailed", "SwitchHeld", "WeightUpdateRefused",
+           "common_after_reset", "common_ready", "common_ready_step", "staged_target"]

@@ -10,17 +10,26 @@ that does gets hooks on its *instance* (never its class), all here:
   :class:`~vllm_deltasync.server.engine.coordinator.Coordinator` first (every rank proved, pollers started, a timer putting a private ``WAKEUP`` into the
   core's input queue every poll interval); its ``_handle_client_request`` runs the tick for
   that ``WAKEUP`` between two scheduler steps, and a tick right after a client's call that may
-  have written the weights;
+  have written the weights; and for each request added (``ADD``) the steps-behind histogram
+  of ``/metrics``;
 - an in-process engine core (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, ``InprocClient``; also
   ``external_launcher``): no busy loop and no input queue, so its coordinator starts at once
   and ticks on the caller's thread, before each step (``step_fn``) and before each of the
   caller's ``collective_rpc`` (at most once per ``poll_interval_s``), and right after one that
   may have written the weights. An idle in-process engine switches at its next call;
-- both: ``shutdown`` stops the coordinator first, and ``deltasync_engine_status`` answers
-  ``call_utility("deltasync_engine_status")``.
+- both: ``shutdown`` stops the coordinator first, ``deltasync_engine_status`` answers
+  ``call_utility("deltasync_engine_status")`` and ``deltasync_count_conflict`` counts a 409 of
+  the API server (:mod:`.http`) on this engine's ``/metrics``.
 
 The coordinator reaches the engine only through an :class:`EngineHandle` (vLLM's own methods,
 never our instance hooks), so its RPCs to the ranks do not tick again.
+
+With ``--weight-transfer-config '{"backend": "deltasync"}'`` the coordinator is trainer-driven
+(it switches only on the trainer's ``update_weights``) and ``collective_rpc`` is wrapped on the
+instance (any engine core: vLLM's utility handler looks it up there) so that
+``collective_rpc("update_weights", ...)`` goes to :meth:`Coordinator.update_to` instead of the
+workers (:func:`_hook_weight_transfer`). Any other backend next to a deltasync bucket is
+refused at start (:func:`weight_transfer_conflict`).
 """
 
 from __future__ import annotations
@@ -79,6 +88,7 @@ def on_engine_core(engine: Any) -> None:
     engine._deltasync_hooked = True
     engine._deltasync_coord = None
     engine.deltasync_engine_status = lambda: _engine_status(engine)
+    engine.deltasync_count_conflict = lambda reason: _count_conflict(engine, reason)
     _hook_shutdown(engine)
     if surface_refusal() is not None:
         # this vLLM lacks something the hooks need: refuse now (the coordinator only serves
@@ -88,11 +98,21 @@ def on_engine_core(engine: Any) -> None:
         _hook_busy_loop(engine)
     else:
         _hook_in_process(engine)
+    if surface_refusal() is None and weight_transfer_backend(engine.vllm_config) == BACKEND:
+        _hook_weight_transfer(engine)
 
 
 def _engine_status(engine: Any) -> dict[str, Any]:
     coord = getattr(engine, "_deltasync_coord", None)
     return coord.engine_status() if coord is not None else {"active": False}
+
+
+def _count_conflict(engine: Any, reason: str) -> None:
+    """The API server answered a request 409 (``server/vllm/http.py``): count it on this
+    engine's ``/metrics``."""
+    coord = getattr(engine, "_deltasync_coord", None)
+    if coord is not None:
+        coord.metrics.count_conflict(str(reason))
 
 
 def _ensure_coordinator(engine: Any, *, in_process: bool) -> Any:
@@ -125,6 +145,8 @@ def _hook_busy_loop(engine: Any) -> None:
                 coord.tick()
             return
         handle(request_type, request)
+        if coord is not None and request_type == EngineCoreRequestType.ADD:
+            coord.observe_admission()
         if (coord is not None and request_type == EngineCoreRequestType.UTILITY
                 and may_write_weights(request)):
             coord.after_utility()
@@ -244,7 +266,8 @@ def start_coordinator(engine: Any, *, in_process: bool = False) -> Any:
     from vllm.v1.core.sched.interface import PauseState
     from vllm.v1.engine import EngineCoreRequestType
 
-    refuse = surface_refusal() or unsupported_layout(engine.vllm_config)
+    refuse = (surface_refusal() or unsupported_layout(engine.vllm_config)
+              or weight_transfer_conflict(engine.vllm_config))
     additional = engine.vllm_config.additional_config
     try:
         config = SyncConfig.from_sources(additional, os.environ)
@@ -265,7 +288,8 @@ def start_coordinator(engine: Any, *, in_process: bool = False) -> Any:
         engine.input_queue.put_nowait((EngineCoreRequestType.WAKEUP, TICK))
 
     coord = Coordinator(EngineHandle(engine), config, wake=None if in_process else wake,
-                        pause_states=PauseState)
+                        pause_states=PauseState,
+                        trainer_driven=weight_transfer_backend(engine.vllm_config) == BACKEND)
     coord.start(refuse=refuse)
     return coord
 
@@ -290,6 +314,120 @@ def refusal_config(additional_config: Any, environ: Mapping[str, str]) -> SyncCo
     return SyncConfig(url="file:///invalid-deltasync-configuration", metrics_port=port)
 
 
+
+
+# -------------------------------------------- vLLM's weight-transfer API, backend "deltasync"
+
+BACKEND = "deltasync"
+"""The weight-transfer backend name (``--weight-transfer-config '{"backend": "deltasync"}'``);
+the receiver is :mod:`.weight_transfer`, registered by :mod:`.plugin`."""
+
+
+def weight_transfer_backend(vllm_config: Any) -> str | None:
+    """The backend of ``--weight-transfer-config``, None when there is none."""
+    transfer = getattr(vllm_config, "weight_transfer_config", None)
+    backend = getattr(transfer, "backend", None) if transfer is not None else None
+    return str(backend) if backend else None
+
+
+def weight_transfer_conflict(vllm_config: Any) -> str | None:
+    """Why a deltasync bucket cannot be followed together with this engine's weight-transfer
+    backend (one line), or None. Backend ``deltasync`` is the trainer-driven flow (the
+    coordinator switches only on ``update_weights``); any other backend writes the weights by
+    its own transport, behind the coordinator's back, so the extension refuses at start."""
+    backend = weight_transfer_backend(vllm_config)
+    if backend is None or backend == BACKEND:
+        return None
+    return (f"--weight-transfer-config backend {backend!r} and a deltasync bucket URL "
+            "(VLLM_DELTASYNC_URL or additional_config deltasync.url) are both configured: "
+            "two writers of the same weights would fight, so deltasync does not follow. Use "
+            "--weight-transfer-config '{\"backend\": \"deltasync\"}' for trainer-driven "
+            f"updates through the bucket, or remove the bucket URL to update through {backend!r}")
+
+
+def update_info_step(update_info: Any) -> tuple[Any, Any]:
+    """(step, identity) of a ``deltasync`` update (``{"step": N, "identity": ...}``, or a list
+    of them, one per worker, all the same); :class:`ValueError` naming what is wrong."""
+    infos = update_info if isinstance(update_info, list) else [update_info]
+    if not infos or any(not isinstance(i, Mapping) for i in infos):
+        raise ValueError(f"deltasync update_info must be {{'step': N, 'identity': ...}}, got "
+                         f"{update_info!r}")
+    pairs = set()
+    for info in infos:
+        unknown = set(info) - {"step", "identity"}
+        if unknown or "step" not in info:
+            raise ValueError(f"deltasync update_info takes 'step' (required) and 'identity', got "
+                             f"keys {sorted(info)}")
+        pairs.add((info["step"], info.get("identity")))
+    if len(pairs) != 1:
+        raise ValueError(f"deltasync update_info differs between workers: {sorted(pairs, key=str)}")
+    return next(iter(pairs))
+
+
+def same_bucket(a: str, b: str) -> bool:
+    """Two URLs name the same bucket: equal without credentials, a trailing ``/`` and the
+    scheme's case."""
+    from vllm_deltasync._urls import strip_userinfo
+
+    def normal(url: str) -> str:
+        scheme, sep, rest = strip_userinfo(str(url).strip()).partition("://")
+        return (scheme.lower() + sep + rest).rstrip("/")
+
+    return normal(a) == normal(b)
+
+
+def _hook_weight_transfer(engine: Any) -> None:
+    """Weight-transfer calls of backend ``deltasync`` are answered in the engine core, by its
+    coordinator: ``collective_rpc("update_weights", kwargs={"update_info": {"step": N, ...}})``
+    (vLLM's ``LLM.update_weights``, ``AsyncLLM.update_weights``, the dev-mode
+    ``/update_weights`` route) goes to :meth:`Coordinator.update_to` and never reaches the
+    workers; ``init_weight_transfer_engine`` is checked here first (the trainer's bucket, a
+    coordinator that refused) and then goes on to the workers. Errors are raised here, not in
+    the workers: vLLM's multiprocessing executor stops reading the ranks' answers at the first
+    failure, and the later ranks' answers would be read by the next call. Every other call
+    goes on as before. On the instance: vLLM's utility handler looks the method up with
+    ``getattr(engine, "collective_rpc")``."""
+    rpc = engine.collective_rpc
+
+    def collective_rpc(method: Any, timeout: float | None = None, args: tuple[Any, ...] = (),
+                       kwargs: dict[str, Any] | None = None) -> Any:
+        if method not in ("update_weights", "init_weight_transfer_engine"):
+            return rpc(method, timeout, args, kwargs)
+        coord = getattr(engine, "_deltasync_coord", None)
+        if method == "init_weight_transfer_engine":
+            _check_init(coord, (kwargs or {}).get("init_info", args[0] if args else None))
+            return rpc(method, timeout, args, kwargs)
+        if coord is None:
+            raise RuntimeError(
+                "update_weights: weight-transfer backend 'deltasync' needs a deltasync bucket "
+                "(VLLM_DELTASYNC_URL or --additional-config '{\"deltasync\": {\"url\": ...}}'); "
+                "none is configured on this server")
+        info = (kwargs or {}).get("update_info", args[0] if args else None)
+        step, identity = update_info_step(info)
+        coord.update_to(step, identity)
+        return [None] * max(1, len(coord.statuses))
+
+    engine.collective_rpc = collective_rpc
+
+
+def _check_init(coord: Any, init_info: Any) -> None:
+    """``init_weight_transfer_engine`` of backend ``deltasync``, in the engine core: a
+    coordinator that refused says why; a trainer's bucket other than this server's is an
+    error. No coordinator (no bucket configured): the workers' receiver says what is missing."""
+    if coord is None:
+        return
+    if not coord.active:
+        raise RuntimeError("init_weight_transfer_engine: weight-transfer backend 'deltasync': "
+                           f"deltasync does not follow on this server: {coord.last_error}")
+    url = init_info.get("url") if isinstance(init_info, Mapping) else None
+    if url is not None and not same_bucket(str(url), coord.config.url):
+        from vllm_deltasync._urls import redact_url
+
+        raise ValueError(
+            f"init_weight_transfer_engine: weight-transfer backend 'deltasync': the trainer "
+            f"publishes to {redact_url(str(url))} but this server follows "
+            f"{coord.config.redacted_url()} (VLLM_DELTASYNC_URL / additional_config "
+            "deltasync.url); give both the same bucket")
 
 
 def surface_refusal() -> str | None:

@@ -12,8 +12,17 @@ never raises, and installs as little as it can:
   it: no instance hook, no thread, no extra call.
 - ``dispatch_cpu_unquantized_gemm`` (the CPU platform only; :mod:`.cpu_gemm`): for a layer of
   an engine that does not name the extension it calls vLLM's own unchanged.
+- ``vllm.plugins.load_endpoint_plugins`` (used by the API server): vLLM's own list, plus our
+  endpoint plugin (:mod:`.http`, the weight version of every HTTP response), which attaches
+  nothing unless the server's ``--worker-extension-cls`` names the extension. Left out (one
+  warning line, no refusal), responses carry no version; the weights follow as usual.
 
-Each is installed whole or not at all (every symbol is read before anything is replaced). One
+Not a patch, and equally never raising: weight-transfer backend ``deltasync`` is registered in
+vLLM's ``WeightTransferEngineFactory`` and ``WeightTransferTrainerFactory`` by module path
+(:func:`_register_weight_transfer`; loaded by vLLM only when an engine or a trainer picks it;
+a registry already holding ``deltasync`` is left alone).
+
+Each patch is installed whole or not at all (every symbol is read before anything is replaced). One
 left out is recorded in :data:`PLUGIN_REFUSALS` with one warning line naming the symbol and the
 vLLM version; vLLM then runs unchanged, and an engine naming the extension refuses to follow
 with that line as the reason (``/synced`` 503, ``deltasync_refused``, the workers' status).
@@ -43,7 +52,8 @@ _PATCHES: tuple[tuple[str, str], ...] = (
 
 
 def register_plugin() -> None:
-    """Install :data:`_PATCHES` (see the module doc). Idempotent; never raises."""
+    """Install :data:`_PATCHES` and register the weight-transfer backend (see the module
+    doc). Idempotent; never raises."""
     for name, symbols in _PATCHES:
         try:
             globals()[name]()
@@ -55,6 +65,50 @@ def register_plugin() -> None:
             if line not in PLUGIN_REFUSALS:
                 PLUGIN_REFUSALS.append(line)
             logger.warning("%s", line)
+    _register_weight_transfer()
+    try:
+        _hand_endpoint_plugin()
+    except Exception as exc:  # noqa: BLE001 - never break vLLM; only the HTTP headers are off
+        logger.warning("vllm-deltasync cannot wrap vllm.plugins.load_endpoint_plugins of vLLM "
+                       "%s: %s: %s; responses carry no X-Weight-Version (the weights follow "
+                       "as usual)", vllm_version(), type(exc).__name__, exc)
+
+
+WEIGHT_TRANSFER_BACKEND = "deltasync"
+
+_WEIGHT_TRANSFER: tuple[tuple[str, str, str], ...] = (
+    ("WeightTransferEngineFactory", "vllm_deltasync.server.vllm.weight_transfer",
+     "DeltaSyncWeightTransferEngine"),
+    ("WeightTransferTrainerFactory", "vllm_deltasync.trainer.weight_transfer",
+     "DeltaSyncTrainerWeightTransferEngine"),
+)
+"""vLLM's weight-transfer registries and what backend ``deltasync`` names in each (module and
+class, loaded lazily by vLLM's own loader: only when an engine or a trainer picks the backend)."""
+
+
+def _register_weight_transfer() -> None:
+    """Register backend ``deltasync`` in both weight-transfer factories (receiver and trainer
+    side), by module path, so nothing is imported until someone picks it. Not a patch: one
+    registry left out (symbol missing, ``deltasync`` taken by another package) is one warning
+    line and the backend is missing there; the extension's following is unaffected. A
+    registry that holds ``deltasync`` already is left as it is. Never raises."""
+    try:
+        from vllm.distributed.weight_transfer import factory
+    except Exception as exc:  # noqa: BLE001 - an older vLLM without the weight-transfer API
+        logger.warning("vllm-deltasync cannot register weight-transfer backend %r in vLLM %s: "
+                       "%s: %s", WEIGHT_TRANSFER_BACKEND, vllm_version(), type(exc).__name__, exc)
+        return
+    for registry, module, cls in _WEIGHT_TRANSFER:
+        try:
+            getattr(factory, registry).register_engine(WEIGHT_TRANSFER_BACKEND, module, cls)
+        except ValueError as exc:
+            if "already registered" not in str(exc):
+                logger.warning("vllm-deltasync cannot register weight-transfer backend %r in "
+                               "%s: %s", WEIGHT_TRANSFER_BACKEND, registry, exc)
+        except Exception as exc:  # noqa: BLE001 - never break vLLM
+            logger.warning("vllm-deltasync cannot register weight-transfer backend %r in %s of "
+                           "vLLM %s: %s: %s", WEIGHT_TRANSFER_BACKEND, registry, vllm_version(),
+                           type(exc).__name__, exc)
 
 
 def _patch_engine_core() -> None:
@@ -109,9 +163,44 @@ def _patch_cpu_gemm() -> None:
     cpu_gemm.patch()
 
 
+def _hand_endpoint_plugin() -> None:
+    """``vllm.plugins.load_endpoint_plugins`` (the API server): vLLM loads endpoint plugins only
+    when ``VLLM_PLUGINS`` names them; hand it ours (:class:`.http.DeltaSyncEndpoints`), which
+    attaches nothing unless the server's arguments name the extension. Not a refusal when left
+    out: the weights are unaffected, responses then carry no version (one warning line)."""
+    import vllm.plugins as plugins
+
+    load = plugins.load_endpoint_plugins
+    if getattr(load, "_deltasync_patched", False):
+        return
+
+    @functools.wraps(load)
+    def load_endpoint_plugins(supported_tasks: Any = None) -> Any:
+        found: list[Any] = list(load(supported_tasks))
+        try:
+            from vllm_deltasync.server.vllm.http import DeltaSyncEndpoints
+
+            if (supported_tasks is not None and "generate" in supported_tasks
+                    and not any(getattr(p, "name", None) == DeltaSyncEndpoints.name
+                                for p in found)):
+                found = [*found, DeltaSyncEndpoints()]
+        except Exception:  # noqa: BLE001 - vLLM's own list, unchanged
+            logger.exception("deltasync: the HTTP version headers are off")
+        return found
+
+    load_endpoint_plugins._deltasync_patched = True  # type: ignore[attr-defined]
+    plugins.load_endpoint_plugins = load_endpoint_plugins
+
+
 def extension_configured(vllm_config: Any) -> bool:
     """True when ``--worker-extension-cls`` names DeltaSyncExtension or a subclass of it."""
-    qualname = getattr(getattr(vllm_config, "parallel_config", None), "worker_extension_cls", "")
+    return extension_named(
+        getattr(getattr(vllm_config, "parallel_config", None), "worker_extension_cls", "") or "")
+
+
+def extension_named(qualname: str) -> bool:
+    """True when ``qualname`` (``--worker-extension-cls``) names DeltaSyncExtension or a
+    subclass of it."""
     if not qualname:
         return False
     module, _, attr = qualname.rpartition(".")
@@ -130,4 +219,4 @@ def _is_subclass(module: str, attr: str) -> bool:
     return isinstance(obj, type) and issubclass(obj, DeltaSyncExtension)
 
 
-__all__ = ["PLUGIN_REFUSALS", "extension_configured", "register_plugin"]
+__all__ = ["PLUGIN_REFUSALS", "extension_configured", "extension_named", "register_plugin"]

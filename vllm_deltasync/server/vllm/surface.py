@@ -16,7 +16,8 @@ here imports vLLM):
 
 Kinds: ``patched`` (replaced on the class or module, by the plugin or a worker of an engine
 naming the extension), ``wrapped`` (replaced on one instance, only in an engine naming the
-extension), ``called``, ``read`` (an attribute read or written). ``attr``: an instance
+extension), ``called``, ``read`` (an attribute read or written), ``subclassed`` (a class our
+weight-transfer backend derives from, or a method it overrides). ``attr``: an instance
 attribute (found as ``self.<name> = ...`` in the class or a base class) rather than a
 ``def``.
 """
@@ -105,7 +106,9 @@ SURFACE: tuple[Symbol, ...] = (
            "refuses", attr=True, private=True),
     Symbol(f"{_CORE}:EngineCore.collective_rpc", "wrapped",
            "in-process engine core: tick before a caller's RPC and after one that may have "
-           "written the weights; the coordinator's own RPCs to the ranks (apply, status)",
+           "written the weights; the coordinator's own RPCs to the ranks (apply, status); "
+           "weight-transfer backend 'deltasync' (any engine core: vLLM's utility handler looks "
+           "it up on the instance): update_weights is taken by the coordinator",
            "the extension refuses", params=("method", "timeout", "args", "kwargs")),
     Symbol(f"{_CORE}:EngineCore.reset_prefix_cache", "called",
            "drop KV computed with the old weights at every switch",
@@ -141,6 +144,44 @@ SURFACE: tuple[Symbol, ...] = (
     Symbol("vllm.config:get_current_vllm_config_or_none", "called",
            "the CPU GEMM dispatch learns whether the engine being loaded names the extension",
            "the extension refuses"),
+    # ---- API server: which weights served a request (server/vllm/http.py)
+    Symbol("vllm.plugins:load_endpoint_plugins", "patched",
+           "hand vLLM's endpoint-plugin loader our plugin without VLLM_PLUGINS (it attaches "
+           "nothing unless the server's arguments name the extension)",
+           "responses carry no X-Weight-Version / weight_versions (one warning line)",
+           params=("supported_tasks",)),
+    Symbol("vllm.plugins.endpoint_plugins.interface:EndpointPlugin.attach_router", "called",
+           "vLLM calls our plugin's attach_router(app) (the version middleware)",
+           "as above", params=("app",)),
+    Symbol("vllm.plugins.endpoint_plugins.interface:EndpointPlugin.init_state", "called",
+           "vLLM calls our plugin's init_state with the engine client",
+           "as above", params=("engine_client", "state", "args")),
+    Symbol("vllm.v1.engine.async_llm:AsyncLLM.generate", "wrapped",
+           "on the API server's engine client instance: keep each request's final "
+           "weight_versions for its HTTP response", "as above",
+           params=("prompt", "sampling_params", "request_id")),
+    Symbol("vllm.v1.engine.async_llm:AsyncLLM.get_weight_version", "called",
+           "admission: the applied step for X-Min-/X-Exact-Weight-Version", "as above"),
+    Symbol("vllm.v1.engine.async_llm:AsyncLLM.output_processor", "read",
+           "a streamed response's header: the versions of the tokens produced so far",
+           "the header falls back to the engine's applied step", attr=True),
+    Symbol("vllm.v1.engine.output_processor:OutputProcessor.external_req_ids", "read",
+           "the same", "the same", attr=True, private=True),
+    Symbol("vllm.v1.engine.output_processor:OutputProcessor.request_states", "read",
+           "the same", "the same", attr=True, private=True),
+    Symbol("vllm.v1.engine.output_processor:RequestState.weight_version_starts", "read",
+           "the same", "the same", attr=True, private=True),
+    Symbol("vllm.v1.engine.async_llm:AsyncLLM.engine_core", "read",
+           "count a 409 on the engine core's /metrics (deltasync_count_conflict)",
+           "409s are not counted", attr=True, private=True),
+    Symbol("vllm.v1.engine.core_client:AsyncMPClient.call_utility_async", "called",
+           "the same", "the same", params=("method",), private=True),
+    Symbol("vllm.v1.engine:EngineCoreRequestType.ADD", "read",
+           "the engine core's steps-behind-at-admission histogram, per request added",
+           "the extension refuses", private=True),
+    Symbol("vllm.outputs:CompletionOutput.weight_versions", "read",
+           "the spans of a request's tokens (vLLM's own)", "responses carry no spans",
+           attr=True),
     # ---- worker side (worker processes of an engine naming the extension)
     Symbol("vllm.v1.executor.multiproc_executor:WorkerProc._execute_worker_rpc", "patched",
            "installed by deltasync_start, only in this engine's workers: the coordinator's "
@@ -219,6 +260,114 @@ SURFACE: tuple[Symbol, ...] = (
     Symbol("vllm.config.vllm:VllmConfig.additional_config", "read",
            "the deltasync section of the engine's config", "environment variables only",
            attr=True),
+    # ---- vLLM's weight-transfer API, backend "deltasync" (issue 25, item 4): registered by
+    # the plugin (server/vllm/plugin.py), receiver server/vllm/weight_transfer.py (a subclass),
+    # trainer side trainer/weight_transfer.py (a subclass), update_weights taken by the engine
+    # core's coordinator (server/vllm/engine.py, _hook_weight_transfer)
+    Symbol("vllm.distributed.weight_transfer.factory:WeightTransferEngineFactory.register_engine",
+           "called", "register the receiver by module path (lazy), in every vLLM process",
+           "the extension refuses at start; backend 'deltasync' is unknown to vLLM",
+           params=("name", "module_path_or_cls", "class_name")),
+    Symbol("vllm.distributed.weight_transfer.factory:WeightTransferTrainerFactory.register_engine",
+           "called", "register the trainer side (by the plugin lazily; by "
+           "trainer/weight_transfer.py on import)",
+           "the extension refuses at start; trainer_init does not know 'deltasync'",
+           params=("name", "module_path_or_cls", "class_name")),
+    Symbol("vllm.distributed.weight_transfer.base:WeightTransferEngine", "subclassed",
+           "the receiver vLLM builds in each worker for --weight-transfer-config "
+           "'{\"backend\": \"deltasync\"}' (init_transfer_engine, start/finish_weight_update, "
+           "receive_weights, shutdown overridden)", "the extension refuses at start"),
+    Symbol("vllm.distributed.weight_transfer.base:WeightTransferEngine.__init__", "called",
+           "the receiver keeps vLLM's constructor (config, vllm_config, device, model)",
+           "the extension refuses at start",
+           params=("config", "vllm_config", "device", "model")),
+    Symbol("vllm.distributed.weight_transfer.base:WeightTransferEngine.vllm_config", "read",
+           "the receiver reads the server's deltasync config and extension from it",
+           "the extension refuses at start", attr=True),
+    Symbol("vllm.distributed.weight_transfer.base:WeightTransferInitInfo", "subclassed",
+           "DeltaSyncInitInfo: the trainer's bucket URL, checked at init",
+           "the extension refuses at start"),
+    Symbol("vllm.distributed.weight_transfer.base:WeightTransferUpdateInfo", "subclassed",
+           "DeltaSyncUpdateInfo: step and manifest identity", "the extension refuses at start"),
+    Symbol("vllm.distributed.weight_transfer.base:WeightTransferEngine.init_transfer_engine",
+           "subclassed", "overridden: check the trainer's bucket is this server's",
+           "the extension refuses at start", params=("init_info",)),
+    Symbol("vllm.distributed.weight_transfer.base:WeightTransferEngine.receive_weights",
+           "subclassed", "overridden: reached only when the coordinator did not take the "
+           "update; raises saying why", "the extension refuses at start",
+           params=("update_info",)),
+    Symbol("vllm.distributed.weight_transfer.base:WeightTransferEngine.update_weights",
+           "subclassed", "overridden: parse and receive_weights, without vLLM's accelerator "
+           "synchronize (nothing was received; the CPU build has no accelerator)",
+           "the extension refuses at start", params=("update_info",)),
+    Symbol("vllm.distributed.weight_transfer.base:WeightTransferEngine.parse_update_info",
+           "called", "the update's step and identity (DeltaSyncUpdateInfo)",
+           "the extension refuses at start", params=("update_dict",)),
+    Symbol("vllm.distributed.weight_transfer.base:WeightTransferEngine.start_weight_update",
+           "subclassed", "overridden: no-op (the switch is in place, in the engine core)",
+           "the extension refuses at start"),
+    Symbol("vllm.distributed.weight_transfer.base:WeightTransferEngine.finish_weight_update",
+           "subclassed", "overridden: no-op (the coordinator committed and set the version)",
+           "the extension refuses at start"),
+    Symbol("vllm.distributed.weight_transfer.base:WeightTransferEngine.shutdown", "subclassed",
+           "overridden: nothing to release", "the extension refuses at start"),
+    Symbol("vllm.distributed.weight_transfer.base:WeightTransferEngine."
+           "supports_draft_weight_update", "read", "False: no draft-model updates",
+           "the extension refuses at start"),
+    Symbol("vllm.distributed.weight_transfer.base:TrainerWeightTransferEngine", "subclassed",
+           "the trainer side: publish a step, then drive the server", "the extension refuses "
+           "at start"),
+    Symbol("vllm.distributed.weight_transfer.base:TrainerWeightTransferEngine.__init__", "called",
+           "the trainer side keeps vLLM's constructor", "the extension refuses at start",
+           params=("client", "source", "is_sender")),
+    Symbol("vllm.distributed.weight_transfer.base:TrainerWeightTransferEngine.trainer_init",
+           "subclassed", "overridden: open the publisher; the sender calls "
+           "init_weight_transfer_engine({'url': ...})", "the extension refuses at start",
+           params=("init_info", "client", "source")),
+    Symbol("vllm.distributed.weight_transfer.base:TrainerWeightTransferEngine.send_weights",
+           "subclassed", "overridden: publish, flush, start/update/finish through the client",
+           "the extension refuses at start"),
+    Symbol("vllm.distributed.weight_transfer.base:TrainerInitInfo", "subclassed",
+           "DeltaSyncTrainerInitInfo (backend ClassVar 'deltasync', url)",
+           "the extension refuses at start"),
+    Symbol("vllm.distributed.weight_transfer.base:TrainerInitInfo.is_sender", "read",
+           "rank 0 publishes and drives the server", "the extension refuses at start"),
+    Symbol("vllm.distributed.weight_transfer.base:WeightSource", "read",
+           "the weights send_weights publishes (iterated as (name, tensor) pairs)",
+           "the extension refuses at start"),
+    Symbol("vllm.distributed.weight_transfer.base:VLLMWeightSyncClient.init_weight_transfer_engine",
+           "called", "the sender at trainer_init: the server checks the bucket",
+           "the extension refuses at start", params=("init_info",)),
+    Symbol("vllm.distributed.weight_transfer.base:VLLMWeightSyncClient.start_weight_update",
+           "called", "each send, before update_weights", "the extension refuses at start"),
+    Symbol("vllm.distributed.weight_transfer.base:VLLMWeightSyncClient.update_weights", "called",
+           "each send: {'step': N, 'identity': ...}", "the extension refuses at start",
+           params=("update_info",)),
+    Symbol("vllm.distributed.weight_transfer.base:VLLMWeightSyncClient.finish_weight_update",
+           "called", "each send: weight_version=str(N)", "the extension refuses at start",
+           params=("weight_version",)),
+    Symbol("vllm.config.vllm:VllmConfig.weight_transfer_config", "read",
+           "backend 'deltasync': trainer-driven; another backend with a bucket: refused",
+           "the extension refuses at start", attr=True),
+    Symbol("vllm.config.weight_transfer:WeightTransferConfig.backend", "read", "the same",
+           "the extension refuses at start"),
+    Symbol("vllm.v1.worker.gpu_worker:Worker.update_weights", "read",
+           "the worker method whose collective_rpc the engine core's hook takes (by name)",
+           "the extension refuses at start", params=("update_info",)),
+    Symbol("vllm.v1.worker.gpu_worker:Worker.init_weight_transfer_engine", "read",
+           "the worker method whose collective_rpc the hook checks first (by name)",
+           "the extension refuses at start", params=("init_info",)),
+    Symbol("vllm.distributed.weight_transfer.base:WeightTransferEngine.parallel_config", "read",
+           "the receiver's world size: it raises on the last rank only (the multiprocessing "
+           "executor stops reading answers at the first failure)",
+           "the extension refuses at start", attr=True),
+    Symbol("vllm.config.parallel:ParallelConfig.world_size", "read", "the same",
+           "the extension refuses at start", attr=True),
+    Symbol("vllm.distributed.parallel_state:get_world_group", "called",
+           "the receiver's rank in the engine (modulo the world size under data parallel)",
+           "the extension refuses at start"),
+    Symbol("vllm.distributed.parallel_state:GroupCoordinator.rank_in_group", "read", "the same",
+           "the extension refuses at start", attr=True),
 )
 
 
