@@ -177,14 +177,15 @@ def test_two_nodes_each_download_once_and_discover_once(hub: Any, make_hf_store:
 
     run(follow())
     # once per node. A transfer the loaded machine cut short is read again (seen in CI: the
-    # client closed one mid-body under load, +3,392 bytes, and a failed read resolves
-    # again); each rank downloading would serve 4x and resolve 4 times
+    # client closed one mid-body under load, +3,392 bytes; the read again resolves once more,
+    # or reuses the resolved URL: both seen); each rank downloading would serve 4x and
+    # resolve 4 times
     served = hub.cdn_bytes_served
     assert 2 * len(data) <= served < 3 * len(data), served
     discovery = [r for r in hub.log if "manifests" in r["path"]]
     assert len(discovery) == 4, discovery  # per node: one listing, one probe (the leader's)
     reads = [r for r in hub.log if r["kind"] == "resolve" and "data/" in r["path"]]
-    assert len(reads) == 2 + (served > 2 * len(data)), reads  # one resolve per node
+    assert 2 <= len(reads) <= 2 + (served > 2 * len(data)), reads  # one resolve per node
 
 
 # -- the cache proves what it holds -------------------------------------------------------------
