@@ -311,6 +311,7 @@ def test_old_module_paths_warn_and_resolve(old: str, new: str) -> None:
 # One non-default value per option: (environment string, value expected in the field).
 SAMPLES: dict[str, tuple[str, Any]] = {
     "url": ("s3://key:secret@bucket/prefix", "s3://key:secret@bucket/prefix"),
+    "drafter_url": ("file:///tmp/draft-bucket", "file:///tmp/draft-bucket"),
     "poll_interval_s": ("0.5", 0.5),
     "download_concurrency": ("3", 3),
     "max_staged_bytes": ("1048576", 1 << 20),

@@ -37,6 +37,13 @@ class SyncConfig:
     url: str = field(repr=False)
     """Bucket URL (``file://``, ``memory://``, ``hf://buckets/...``, ``s3://...``). Required."""
 
+    drafter_url: str = field(default="", repr=False)
+    """Speculative decoding: the bucket the draft model's steps are published to (its own
+    ``DeltaPublisher``). Empty: the drafter keeps its loaded weights. The drafter follows like
+    the policy (shard map, proof, staging bound) and switches on every rank at once, between
+    batches; it never holds a policy switch back, and a drafter that fails keeps its last good
+    weights (rejection sampling keeps the output distribution whatever the draft)."""
+
     poll_interval_s: float = 2.0
     """Seconds between two looks for a newer manifest; also how often the engine core checks
     whether all ranks have a step staged."""
@@ -137,6 +144,11 @@ class SyncConfig:
                 f"deltasync url {redact_url(str(self.url))!r} is not a URL; set "
                 "VLLM_DELTASYNC_URL or additional_config.deltasync.url to e.g. file:///path/bucket"
             )
+        if self.drafter_url and "://" not in self.drafter_url:
+            raise ConfigError(
+                f"deltasync drafter_url {redact_url(self.drafter_url)!r} is not a URL; set "
+                "VLLM_DELTASYNC_DRAFTER_URL to the draft model's bucket, e.g. file:///path/draft"
+            )
         _positive(self, "poll_interval_s", "download_concurrency", "max_staged_bytes",
                   "max_chain", "debug_ring_size", "update_wait_s")
         if self.max_device_staged_bytes < 0:
@@ -177,6 +189,10 @@ class SyncConfig:
     def redacted_url(self) -> str:
         """The URL without user, password or query string (safe to log)."""
         return redact_url(self.url)
+
+    def for_drafter(self) -> SyncConfig:
+        """The settings of the drafter's rank state: the drafter bucket, nothing loaded."""
+        return dataclasses.replace(self, url=self.drafter_url, drafter_url="", loaded_step=None)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain values (url included, unredacted): for passing between processes."""

@@ -54,14 +54,62 @@ class DeltaSyncExtension:
     """
 
     _deltasync: RankState | None
+    _deltasync_drafter: RankState | None
+    """The speculative drafter's state, when a drafter bucket is configured and it follows."""
+    _deltasync_drafter_refused: str | None
+    """Why the configured drafter does not follow on this rank (its policy still does)."""
     _deltasync_writing: int | None
     """The step whose apply started on this rank and has not answered yet."""
 
-    def _deltasync_state(self) -> RankState:
+    def _deltasync_state(self, model: str = "policy") -> RankState:
+        if model == "drafter":
+            drafter = getattr(self, "_deltasync_drafter", None)
+            if drafter is None:
+                raise DeltaSyncError("no drafter follows on this worker: "
+                                     + (getattr(self, "_deltasync_drafter_refused", None)
+                                        or "drafter_url is not set"))
+            return drafter
+        if model != "policy":
+            raise DeltaSyncError(f"model={model!r}: use 'policy' or 'drafter'")
         state = getattr(self, "_deltasync", None)
         if state is None:
             raise DeltaSyncError("deltasync is not started on this worker (deltasync_start)")
         return state
+
+    def _deltasync_start_drafter(self, config: SyncConfig) -> None:
+        """Build and prove the drafter's state (check 1, then check 2 with a forward through
+        the drafter's own modules: no collective). A drafter that cannot follow is refused
+        on its own, with the reason in the status; the policy is unaffected."""
+        self._deltasync_drafter = None
+        self._deltasync_drafter_refused = None
+        if not config.drafter_url:
+            return
+        from vllm_deltasync.server.worker.proof import ProofFailed
+
+        w: Any = self
+        rank = int(getattr(w, "rank", 0))
+        source = vllm_worker.drafter_source(w)
+        if source is None:
+            self._deltasync_drafter_refused = (
+                "drafter_url is set but this engine runs no draft model of its own (start it "
+                "with speculative_config method 'draft_model' and the draft's checkpoint)")
+            logger.error("deltasync rank %d: the drafter does not follow: %s", rank,
+                         self._deltasync_drafter_refused)
+            return
+        model, path = source
+        try:
+            drafter = RankState(w, config.for_drafter(), model=model, model_path=path,
+                                role="drafter")
+            classes = drafter.prove_values()
+            drafter.prove_writes(classes, vllm_worker.module_forward(model), 1)
+            drafter.finish_proof()
+        except (DeltaSyncError, ProofFailed) as exc:
+            self._deltasync_drafter_refused = f"{type(exc).__name__}: {exc}"
+            logger.error("deltasync rank %d: the drafter does not follow: %s", rank,
+                         self._deltasync_drafter_refused)
+            return
+        self._deltasync_drafter = drafter
+        logger.info("deltasync rank %d drafter proof passed (%d classes)", rank, len(classes))
 
     def deltasync_start(self) -> RankStatus:
         """Build the shard map (learning the layouts kernels rearranged parameters into) and
@@ -84,8 +132,9 @@ class DeltaSyncExtension:
             return {"rank": rank, "refused": reason, "last_error": reason, "applied_step": None,
                     "ready_steps": [], "newest_step": None}
         self._deltasync = state
+        self._deltasync_start_drafter(config)
         vllm_worker.quiet_status_reads()
-        vllm_worker.wrap_worker(w, state)
+        vllm_worker.wrap_worker(w, state, also_close=self._deltasync_close_drafter)
         vllm_worker.watch_weight_writes(w, state)
         classes = state.prove_values()
         out = self.deltasync_status()
@@ -117,10 +166,20 @@ class DeltaSyncExtension:
                         "; ".join(state.report.layouts) or "no learned layouts")
         return self.deltasync_status()
 
+    def _deltasync_close_drafter(self) -> None:
+        drafter = getattr(self, "_deltasync_drafter", None)
+        if drafter is not None:
+            drafter.close()
+
     def deltasync_follow(self) -> RankStatus:
-        """Every rank passed its proof: start the poller."""
+        """Every rank passed its proof: start the poller (and the drafter's)."""
         state = self._deltasync_state()
         state.follow()
+        drafter = getattr(self, "_deltasync_drafter", None)
+        if drafter is not None and drafter.refused is None:
+            drafter.follow()
+            logger.info("deltasync drafter started rank=%d bucket=%s tensors=%d", drafter.rank,
+                        drafter.config.redacted_url(), len(drafter.shardmap.names))
         logger.info("deltasync started rank=%d bucket=%s tensors=%d", state.rank,
                     state.config.redacted_url(), len(state.shardmap.names))
         return self.deltasync_status()
@@ -132,6 +191,9 @@ class DeltaSyncExtension:
             return None
         if state.refused is None:
             state.refuse(reason)
+        drafter = getattr(self, "_deltasync_drafter", None)
+        if drafter is not None and drafter.refused is None:
+            drafter.refuse(reason)
         return self.deltasync_status()
 
     def deltasync_status(self) -> RankStatus:
@@ -140,13 +202,23 @@ class DeltaSyncExtension:
         call is settled first (``RankState.settle_writes``: counted in ``reloads``)."""
         state = self._deltasync_state()
         state.settle_writes()
-        return state.status()
+        out = state.status()
+        drafter = getattr(self, "_deltasync_drafter", None)
+        refused = getattr(self, "_deltasync_drafter_refused", None)
+        if drafter is not None:
+            out["drafter"] = drafter.status()
+        elif refused is not None:
+            out["drafter"] = {"model": "drafter", "rank": state.rank, "refused": refused,
+                              "last_error": refused, "applied_step": None, "ready_steps": [],
+                              "newest_step": None}
+        return out
 
-    def deltasync_ready(self) -> list[int]:
+    def deltasync_ready(self, model: str = "policy") -> list[int]:
         """Steps staged and fully prepared on this rank, in apply order."""
-        return self._deltasync_state().sync.ready_steps()
+        return self._deltasync_state(model).sync.ready_steps()
 
-    def deltasync_apply(self, step: int, identity: str | None = None) -> ApplyResult:
+    def deltasync_apply(self, step: int, identity: str | None = None,
+                        model: str = "policy") -> ApplyResult:
         """Apply every staged step up to ``step`` (``identity``: the manifest identity the
         engine core chose, checked against the staged step) in place. Returns what was done,
         or the error and whether this rank put its weights back (``reverted``). The switch
@@ -161,7 +233,9 @@ class DeltaSyncExtension:
         itself fails it asks every rank to revert (``deltasync_revert``)."""
         from vllm_deltasync.server.worker.rank import ApplyFailed
 
-        state = self._deltasync_state()
+        state = self._deltasync_state(model)
+        if model != "policy":  # the drafter: no failpoint, no half-written policy marker
+            return _apply_drafter(state, step, identity)
         _apply_rpc_failpoint(self, state.rank, step)  # test-only, raises out of the RPC
         self._deltasync_writing = step
         try:
@@ -185,19 +259,19 @@ class DeltaSyncExtension:
         self._deltasync_writing = None
         return out
 
-    def deltasync_commit(self, step: int) -> bool | None:
+    def deltasync_commit(self, step: int, model: str = "policy") -> bool | None:
         """The engine core made the switch to ``step`` final (prefix cache reset, weight
         version set): drop its undo. True when that switch was pending on this rank, False
         when it was not (idempotent: the engine core sends it again after a failed commit
         broadcast); None when the commit failed here (logged; the switch stays pending)."""
         try:
-            return self._deltasync_state().commit(step)
+            return self._deltasync_state(model).commit(step)
         except Exception:  # noqa: BLE001 - answered, never raised (see deltasync_apply)
             logger.exception("deltasync commit step=%d failed", step)
             return None
 
     def deltasync_revert(self, step: int, reason: str,
-                         before: dict[str, Any] | None = None) -> bool:
+                         before: dict[str, Any] | None = None, model: str = "policy") -> bool:
         """Take back this rank's switch to ``step`` (another rank, the engine core or the
         apply broadcast itself failed it). True when the rank holds its weights from before
         that switch again: it had the switch pending and put it back, or its own apply failed
@@ -205,6 +279,8 @@ class DeltaSyncExtension:
         ``applied_step``/``applied_id`` every rank held before the switch; then the step is
         dropped as on the other ranks and the rank waits for a newer anchor). Otherwise it
         forgets its applied step (resync through an anchor) and answers False. Never raises."""
+        if model != "policy":
+            return _revert_drafter(self._deltasync_state(model), step, reason)
         try:
             state = self._deltasync_state()
             if (before is not None and self._deltasync_writing_step() is None
@@ -242,22 +318,24 @@ class DeltaSyncExtension:
         trace = list(self._deltasync_state().trace)
         return trace[-last:] if last else trace
 
-    def deltasync_weight_digests(self, names: Iterable[str] | None = None) -> dict[str, str]:
-        """sha256 of the live elements of each checkpoint tensor held by this rank."""
+    def deltasync_weight_digests(self, names: Iterable[str] | None = None,
+                                 model: str = "policy") -> dict[str, str]:
+        """sha256 of the live elements of each checkpoint tensor held by this rank
+        (``model="drafter"``: of the drafter's)."""
         from vllm_deltasync.server.worker.apply import tensor_digest
 
-        state = self._deltasync_state()
+        state = self._deltasync_state(model)
         return {n: tensor_digest(state.shardmap, n) for n in digest_names(state, names)}
 
-    def deltasync_checkpoint_digests(self, path: str,
-                                     names: Iterable[str] | None = None) -> dict[str, str]:
+    def deltasync_checkpoint_digests(self, path: str, names: Iterable[str] | None = None,
+                                     model: str = "policy") -> dict[str, str]:
         """The digests this rank would report if it held the checkpoint at ``path`` (a
         directory of ``*.safetensors`` or one file)."""
         from safetensors.torch import load_file
 
         from vllm_deltasync.server.worker.apply import checkpoint_digest
 
-        state = self._deltasync_state()
+        state = self._deltasync_state(model)
         tensors: dict[str, torch.Tensor] = {}
         for f in safetensors_files(path):
             tensors.update(load_file(str(f)))
@@ -286,6 +364,35 @@ def _apply_rpc_failpoint(ext: Any, rank: int, step: int) -> None:
             ext._deltasync_writing = step
         raise RuntimeError(f"failpoint {FAIL_APPLY_RPC_ENV}: rank {rank}'s deltasync_apply of "
                            f"step {step} raises out of the RPC")
+
+
+def _apply_drafter(state: RankState, step: int, identity: str | None) -> ApplyResult:
+    """The drafter's apply (``deltasync_apply(model="drafter")``): as the policy's, answered,
+    never raised; a failure that could not be put back resets the drafter (it then waits for
+    an anchor)."""
+    from vllm_deltasync.server.worker.rank import ApplyFailed
+
+    try:
+        return ApplyResult(ok=True, rank=state.rank, **state.apply(step, identity=identity))
+    except Exception as exc:  # noqa: BLE001 - reported to the coordinator, never raised
+        error = f"{type(exc).__name__}: {exc}"
+        logger.exception("deltasync drafter apply step=%d rank=%d failed", step, state.rank)
+        reverted = isinstance(exc, ApplyFailed) and exc.reverted
+        if not reverted:
+            state.reset(error)
+        return ApplyResult(ok=False, rank=state.rank, error=error, reverted=reverted)
+
+
+def _revert_drafter(state: RankState, step: int, reason: str) -> bool:
+    try:
+        if state.sync.pending_step() is None:
+            return True  # this rank's drafter apply failed and was put back (or never ran)
+        return state.revert(step, reason)
+    except Exception:  # noqa: BLE001 - answered, never raised
+        logger.exception("deltasync drafter revert step=%d failed", step)
+        with contextlib.suppress(Exception):
+            state.reset(f"{reason}; the revert failed")
+        return False
 
 
 def _holds(state: RankState, before: dict[str, Any]) -> bool:

@@ -71,6 +71,11 @@ class RankStatus(TypedDict, total=False):
     counters: dict[str, Any]
     fingerprint: str | None
     model_steps: int
+    model: str
+    """``policy``, or ``drafter`` (the speculative draft model, followed from its own bucket)."""
+    drafter: RankStatus | None
+    """The policy's answer carries the drafter's status on this rank (``model="drafter"``),
+    when a drafter bucket is configured."""
     pid: int
     refused: str | None
     """Why this rank does not follow (its proof failed, the plugin or the surface refused)."""
@@ -96,6 +101,8 @@ class EngineStatus(TypedDict, total=False):
     reloads: int
     ranks: list[dict[str, Any]]
     metrics_port: int | None
+    drafter: dict[str, Any] | None
+    """The speculative drafter's switches and ranks (``drafter_url``), or None."""
 
 
 __all__ = ["ApplyResult", "EngineStatus", "LastApply", "RankStatus"]

@@ -443,12 +443,31 @@ class SyncMetrics:
             and r["steps_behind"] <= max_steps_behind
             for r in rows
         )
-        return ok, {"synced": ok, "max_steps_behind": max_steps_behind, "ranks": rows,
-                    "coordinator": coordinator}
+        body: dict[str, Any] = {"synced": ok, "max_steps_behind": max_steps_behind,
+                                "ranks": rows, "coordinator": coordinator}
+        drafters = [(s.get("rank", i), s["drafter"]) for i, s in enumerate(ranks)
+                    if isinstance(s.get("drafter"), Mapping)]
+        if drafters:
+            # the speculative drafter is shown, never a reason for 503: a stale or broken draft
+            # changes how fast tokens come, not which (rejection sampling)
+            body["drafter"] = [_drafter_row(rank, d) for rank, d in drafters]
+            body["drafter_synced"] = all(
+                r["refused"] is None and r["last_error"] is None
+                and (r["applied_step"] is not None or r["newest_step"] is None)
+                and r["steps_behind"] <= max_steps_behind for r in body["drafter"])
+        return ok, body
 
     def start_server(self, port: int, addr: str = "0.0.0.0") -> MetricsServer | None:
         """Serve ``/metrics`` and ``/synced`` on ``port``; ``0`` means off and returns None."""
         return None if port == 0 else MetricsServer(self, port=port, addr=addr)
+
+
+def _drafter_row(rank: Any, d: Mapping[str, Any]) -> dict[str, Any]:
+    applied, newest = _int_or_none(d.get("applied_step")), _int_or_none(d.get("newest_step"))
+    behind = 0 if newest is None else newest - (-1 if applied is None else applied)
+    return {"rank": rank, "applied_step": applied, "newest_step": newest,
+            "steps_behind": max(behind, 0), "refused": _redacted(d.get("refused")),
+            "last_error": _redacted(d.get("last_error"))}
 
 
 def _inc(child: Any, amount: float) -> None:

@@ -46,6 +46,7 @@ from vllm_deltasync._urls import redact_text
 from vllm_deltasync.config import SyncConfig
 from vllm_deltasync.failpoints import FAIL_APPLY_RPC_ENV, FAIL_SWITCH_ENV, SWITCH_EVERY_STEPS_ENV
 from vllm_deltasync.format.manifest import SCHEMA_VERSION
+from vllm_deltasync.server.engine.drafter import DrafterFollower
 from vllm_deltasync.server.engine.switch import (
     CommitFailed,
     Failpoint,
@@ -188,6 +189,8 @@ class Coordinator:
         """The weight version this coordinator last set (a step), to tell it from a user's."""
         self._proof_classes: list[str] = []
         self._last_tick = float("-inf")
+        self.drafter = DrafterFollower(engine)
+        """The speculative drafter's switches (``drafter_url``; server/engine/drafter.py)."""
         self._staged: tuple[tuple[Any, ...], int, bool] | None = None
         """What the ranks had staged at the last ticks, for how many ticks, logged or not."""
 
@@ -343,6 +346,7 @@ class Coordinator:
         self._check_reloads()
         if not self.active:
             return
+        self.drafter.tick(self.statuses, may_switch=may_switch)
         self._watch_staged()
         if self.held is not None and self._resync_held():
             return
@@ -700,6 +704,7 @@ class Coordinator:
                                              "reloads")}
                       for s in self.statuses],
             "metrics_port": self.server.port if self.server is not None else None,
+            "drafter": self.drafter.status(),
         }
 
 

@@ -182,6 +182,30 @@ SURFACE: tuple[Symbol, ...] = (
     Symbol("vllm.outputs:CompletionOutput.weight_versions", "read",
            "the spans of a request's tokens (vLLM's own)", "responses carry no spans",
            attr=True),
+    # ---- the speculative drafter (drafter_url; server/vllm/worker.py drafter_source)
+    Symbol("vllm.config:VllmConfig.speculative_config", "read",
+           "whether the engine runs a draft model, and its checkpoint",
+           "the drafter does not follow (refused on its own; the policy follows)", attr=True),
+    Symbol("vllm.config.speculative:SpeculativeConfig.draft_model_config", "read",
+           "the same", "the same", attr=True),
+    Symbol(f"{_RUNNER}.drafter", "read", "the proposer holding the draft model",
+           "the same", attr=True),
+    Symbol("vllm.v1.spec_decode.llm_base_proposer:SpecDecodeBaseProposer.model", "read",
+           "the draft model's parameters, written in place", "the same", attr=True),
+    Symbol("vllm.model_executor.layers.linear:UnquantizedLinearMethod.apply", "called",
+           "the drafter's proof forward: each linear layer through the kernel serving calls",
+           "the drafter's proof fails (it does not follow)", params=("layer", "x", "bias")),
+    Symbol("vllm.model_executor.layers.linear:ColumnParallelLinear.input_size_per_partition",
+           "read", "the same", "the same", attr=True),
+    Symbol("vllm.model_executor.layers.linear:RowParallelLinear.input_size_per_partition",
+           "read", "the same", "the same", attr=True),
+    Symbol("vllm.model_executor.layers.vocab_parallel_embedding:"
+           "UnquantizedEmbeddingMethod.embedding", "called",
+           "the drafter's proof forward: the token embedding", "the same",
+           params=("layer", "input_")),
+    Symbol("vllm.model_executor.layers.vocab_parallel_embedding:"
+           "VocabParallelEmbedding.num_embeddings_per_partition", "read", "the same", "the same",
+           attr=True),
     # ---- worker side (worker processes of an engine naming the extension)
     Symbol("vllm.v1.executor.multiproc_executor:WorkerProc._execute_worker_rpc", "patched",
            "installed by deltasync_start, only in this engine's workers: the coordinator's "

@@ -20,9 +20,10 @@ import torch
 from vllm_deltasync.server.worker.rank import RankState
 
 
-def wrap_worker(worker: Any, state: RankState) -> None:
+def wrap_worker(worker: Any, state: RankState, *, also_close: Callable[[], Any] | None = None) -> None:
     """Count each model step and the weight version it ran with (``RankState.record_step``),
-    and stop the rank's poller before the worker shuts down. On this worker instance only."""
+    and stop the rank's poller (and ``also_close``: the drafter's) before the worker shuts
+    down. On this worker instance only."""
     inner = worker.execute_model
 
     def execute_model(scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
@@ -34,6 +35,8 @@ def wrap_worker(worker: Any, state: RankState) -> None:
 
     def shutdown_after_poller() -> None:
         state.close()
+        if also_close is not None:
+            also_close()
         shutdown()
 
     worker.shutdown = shutdown_after_poller
@@ -158,6 +161,60 @@ def probe_forward(worker: Any) -> Any:
         return torch.cat(out).cpu()
 
     return forward
+
+
+def drafter_source(worker: Any) -> tuple[torch.nn.Module, str] | None:
+    """The speculative draft model this worker runs and its checkpoint directory
+    (``speculative_config`` with a separate draft model: ``method="draft_model"``), or None
+    (no speculative decoding, or a method without draft weights of its own, such as n-gram)."""
+    spec = getattr(worker.vllm_config, "speculative_config", None)
+    draft_config = getattr(spec, "draft_model_config", None)
+    model = getattr(getattr(worker.model_runner, "drafter", None), "model", None)
+    if draft_config is None or not isinstance(model, torch.nn.Module):
+        return None
+    return model, str(draft_config.model)
+
+
+def module_forward(model: torch.nn.Module, *, n: int = 8) -> Callable[[], torch.Tensor]:
+    """A probe forward for a model the runner's dummy run does not return (the drafter): every
+    module holding parameters computed on fixed inputs through the call serving makes
+    (``quant_method.apply`` for linear layers and the lm_head, ``quant_method.embedding`` for
+    the token embedding, the norm's own forward), each local to this rank, concatenated. A
+    write through the shard map that the kernels do not read leaves it unchanged, as check 2
+    of the proof requires; no collective, so each rank may run its own classes."""
+    gen = torch.Generator().manual_seed(0)
+    calls: list[Callable[[], torch.Tensor]] = []
+    for _, module in model.named_modules():
+        own = list(module.parameters(recurse=False))
+        if not own:
+            continue
+        weight = own[0]
+        qm = getattr(module, "quant_method", None)
+        in_size = getattr(module, "input_size_per_partition", None)
+        if qm is not None and hasattr(qm, "embedding") and hasattr(module, "num_embeddings_per_partition"):
+            rows = int(module.num_embeddings_per_partition)
+            ids = torch.linspace(0, rows - 1, n).to(torch.int64).to(weight.device)
+            calls.append(functools.partial(qm.embedding, module, ids))
+            dim = int(weight.shape[-1])
+            x = torch.randn((n, dim), generator=gen).to(weight.dtype).to(weight.device)
+            calls.append(functools.partial(qm.apply, module, x))  # as the lm_head
+        elif qm is not None and hasattr(qm, "apply") and in_size is not None:
+            x = torch.randn((n, int(in_size)), generator=gen).to(weight.dtype).to(weight.device)
+            calls.append(functools.partial(qm.apply, module, x))
+        elif weight.dim() == 1:  # norms
+            x = torch.randn((n, int(weight.shape[0])), generator=gen).to(weight.dtype)
+            calls.append(functools.partial(_call_norm, module, x.to(weight.device)))
+
+    def forward() -> torch.Tensor:
+        with torch.no_grad():
+            return torch.cat([c().float().reshape(-1) for c in calls]).cpu()
+
+    return forward
+
+
+def _call_norm(module: Any, x: torch.Tensor) -> torch.Tensor:
+    out = module(x.clone())
+    return out[0] if isinstance(out, tuple) else out
 
 
 def _stage_tensors(value: Any) -> dict[str, torch.Tensor]:

@@ -72,15 +72,21 @@ class RankState:
     """
 
     def __init__(self, worker: Any, config: SyncConfig, *,
-                 layout_specs: Callable[[], Mapping[str, LayoutSpec]] | None = None) -> None:
+                 layout_specs: Callable[[], Mapping[str, LayoutSpec]] | None = None,
+                 model: torch.nn.Module | None = None, model_path: str | None = None,
+                 role: str = "policy") -> None:
+        """``model``/``model_path``: the weights this state follows and their checkpoint (the
+        worker's model by default; the speculative drafter's for ``role="drafter"``)."""
         from vllm_deltasync.format.manifest import fingerprint
         from vllm_deltasync.server.metrics import WorkerStats
         from vllm_deltasync.server.worker.poller import Poller
 
         self.config = config
         self.rank = int(getattr(worker, "rank", 0))
-        self.model = worker.model_runner.model
-        self.model_path = str(worker.vllm_config.model_config.model)
+        self.role = role
+        self.model = worker.model_runner.model if model is None else model
+        self.model_path = (str(worker.vllm_config.model_config.model) if model_path is None
+                           else model_path)
         params = checkpoint_params(self.model_path)
         self.checkpoint = params
         self._layout_specs = layout_specs
@@ -497,6 +503,7 @@ class RankState:
     def status(self) -> RankStatus:
         """This rank's status; reading it changes nothing."""
         out = self.poller.status()
+        out["model"] = self.role
         out["fingerprint"] = self.fingerprint
         out["model_steps"] = self.model_steps
         out["pid"] = os.getpid()

@@ -1,0 +1,194 @@
+"""The speculative drafter follows its own bucket beside the policy (issue 26, first part).
+
+A real engine serves an 2-layer Llama policy with speculative decoding by a separate 1-layer
+Llama draft model (``method="draft_model"``, same tokenizer). The policy's trainer publishes
+to one bucket and the draft's trainer to another (``VLLM_DELTASYNC_DRAFTER_URL``); both take
+real AdamW steps. After each step the engine switched both by itself, and:
+
+* the drafter's live weights equal its trainer's checkpoint of that step bit for bit (per rank
+  digests, ``deltasync_weight_digests(model="drafter")``);
+* greedy tokens equal those of a fresh engine with the same speculative configuration started
+  from the two checkpoints of that step (speculative decoding never changes greedy tokens;
+  the same kernels on both sides);
+* vLLM's acceptance counters are present and count.
+
+Then the drafter's bucket breaks (its newest step's data file is gone): the policy keeps
+following, the drafter keeps its last good weights, and ``/synced`` shows the drafter's error
+without answering 503 for it (a draft changes speed, never tokens).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from examples.toymodel import build_model
+from vllm_deltasync import DeltaPublisher
+
+from .conftest import (
+    EXTENSION,
+    Trainer,
+    close_llm,
+    engine_env,
+    engine_status,
+    free_port,
+    requires_vllm,
+    run_engine_child,
+    wait_applied,
+)
+
+SPEC_TOKENS = 3
+PROMPTS = ["the policy moved a step", "river mountain city house garden window"]
+STEPS = 2
+
+
+def _llm(policy: Path, draft: Path, *, extension: bool) -> Any:
+    from vllm import LLM
+
+    kw: dict[str, Any] = {"worker_extension_cls": EXTENSION} if extension else {}
+    return LLM(model=str(policy), enforce_eager=True, max_model_len=512, dtype="bfloat16",
+               seed=0, max_num_seqs=4, disable_log_stats=False,
+               speculative_config={"method": "draft_model", "model": str(draft),
+                                   "num_speculative_tokens": SPEC_TOKENS}, **kw)
+
+
+def _greedy(llm: Any) -> list[list[int]]:
+    from vllm import SamplingParams
+
+    outs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True),
+                        use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+FRESH = """
+import json, sys
+from pathlib import Path
+from tests.engine.test_drafter import _greedy, _llm
+from tests.engine.conftest import close_llm
+out = {}
+for policy, draft in json.loads(sys.argv[1]):
+    llm = _llm(Path(policy), Path(draft), extension=False)
+    try:
+        out[policy] = _greedy(llm)
+    finally:
+        close_llm(llm)
+print("FRESH " + json.dumps(out))
+"""
+
+
+def _fresh(tmp: Path, pairs: list[tuple[Path, Path]]) -> dict[str, list[list[int]]]:
+    """Greedy tokens of fresh stock engines (no extension, same speculative configuration),
+    one per (policy, draft) checkpoint pair, in a child process."""
+    proc = run_engine_child(tmp, FRESH, json.dumps([[str(p), str(d)] for p, d in pairs]),
+                            env={"VLLM_CACHE_ROOT": str(tmp / "fresh-cache")}, timeout=300,
+                            hang="the fresh speculative engine hung")
+    [line] = [x for x in proc.stdout.splitlines() if x.startswith("FRESH ")]
+    return json.loads(line[len("FRESH "):])
+
+
+def _drafter_digests_equal(llm: Any, ckpt: Path) -> bool:
+    live = llm.collective_rpc("deltasync_weight_digests", kwargs={"model": "drafter"})
+    want = llm.collective_rpc("deltasync_checkpoint_digests", args=(str(ckpt),),
+                              kwargs={"model": "drafter"})
+    return bool(live) and all(live) and live == want
+
+
+def _wait_drafter(llm: Any, step: int, timeout_s: float = 60.0) -> list[dict[str, Any]]:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        drafters = [s.get("drafter") or {} for s in llm.collective_rpc("deltasync_status")]
+        if all(d.get("applied_step") == step for d in drafters):
+            return drafters
+        if time.monotonic() > deadline:
+            raise AssertionError(f"drafter step {step} not applied after {timeout_s}s: "
+                                 f"{drafters}")
+        llm.generate(["tick"], use_tqdm=False)  # the in-process engine ticks on calls
+        time.sleep(0.1)
+
+
+def _spec_counters(llm: Any) -> dict[str, float]:
+    """vLLM's own speculative-decoding counters (the acceptance rate is accepted / draft)."""
+    out: dict[str, float] = {}
+    for m in llm.get_metrics():
+        if m.name.startswith("vllm:spec_decode_num_") and hasattr(m, "value"):
+            out[m.name] = out.get(m.name, 0.0) + float(m.value)
+    return out
+
+
+@requires_vllm
+@pytest.mark.engine
+def test_policy_and_drafter_follow_their_buckets(tmp_path: Path) -> None:
+    policy_dir = build_model(tmp_path / "policy", "llama", seed=3)
+    draft_dir = build_model(tmp_path / "draft", "llama", num_layers=1, seed=3)
+    policy, draft = Trainer(policy_dir, lr=2e-3, seed=1), Trainer(draft_dir, lr=2e-3, seed=2)
+    p_url, d_url = f"file://{tmp_path}/policy-bucket", f"file://{tmp_path}/draft-bucket"
+    port = free_port()
+    ckpts: list[tuple[Path, Path]] = []
+    with DeltaPublisher(p_url, anchor_every=10) as ppub, \
+            DeltaPublisher(d_url, anchor_every=10) as dpub, \
+            engine_env(tmp_path, 1, url=p_url, drafter_url=d_url, poll_interval_s=0.1,
+                       metrics_port=port, metrics_host="127.0.0.1"):
+        llm = _llm(policy_dir, draft_dir, extension=True)
+        try:
+            for step in range(STEPS + 1):
+                if step:
+                    policy.step()
+                    draft.step()
+                ppub.publish(step, policy.named_tensors())
+                dpub.publish(step, draft.named_tensors())
+                ppub.flush()
+                dpub.flush()
+                ckpts.append((policy.save(tmp_path / f"p{step}"), draft.save(tmp_path / f"d{step}")))
+                _wait_drafter(llm, step)
+                wait_applied(llm, step)
+                assert _drafter_digests_equal(llm, ckpts[-1][1]), step
+                assert not _drafter_digests_equal(llm, draft_dir) or step == 0
+                got = _greedy(llm)
+                if step == STEPS:
+                    served = got
+            counters = _spec_counters(llm)
+            assert counters.get("vllm:spec_decode_num_draft_tokens", 0) > 0, counters
+            assert "vllm:spec_decode_num_accepted_tokens" in counters, counters
+            status = engine_status(llm)["drafter"]
+            assert [s["step"] for s in status["switches"]] == list(range(STEPS + 1)), status
+
+            # the drafter's bucket breaks: its newest step's data is gone
+            policy.step()
+            draft.step()
+            dpub.publish(STEPS + 1, draft.named_tensors())
+            dpub.flush()
+            gone = [f for d in (tmp_path / "draft-bucket" / "data").glob(f"{STEPS + 1:012d}-*")
+                    for f in d.iterdir()]
+            assert gone
+            for f in gone:
+                f.unlink()
+            ppub.publish(STEPS + 1, policy.named_tensors())
+            ppub.flush()
+            wait_applied(llm, STEPS + 1)
+            deadline = time.monotonic() + 30
+            while True:
+                try:
+                    with urllib.request.urlopen(f"http://127.0.0.1:{port}/synced", timeout=5) as r:
+                        synced = json.loads(r.read())
+                except urllib.error.HTTPError as err:
+                    synced = json.loads(err.read())
+                drafter_rows = synced.get("drafter") or []
+                if (drafter_rows and all(row["last_error"] for row in drafter_rows)
+                        and synced["synced"]):
+                    break
+                assert time.monotonic() < deadline, synced
+                llm.generate(["tick"], use_tqdm=False)
+                time.sleep(0.2)
+            assert synced["synced"] is True and synced["drafter_synced"] is False, synced
+            assert all(row["applied_step"] == STEPS for row in drafter_rows), synced
+            assert _drafter_digests_equal(llm, ckpts[-1][1])  # its last good weights
+        finally:
+            close_llm(llm)
+    fresh = _fresh(tmp_path, [ckpts[-1]])
+    assert served == fresh[str(ckpts[-1][0])]
