@@ -48,11 +48,12 @@ PROMPTS = ["the policy moved a step", "river mountain city house garden window"]
 STEPS = 2
 
 
-def _llm(policy: Path, draft: Path, *, extension: bool) -> Any:
+def _llm(policy: Path, draft: Path, *, extension: bool, tp: int = 1) -> Any:
     from vllm import LLM
 
     kw: dict[str, Any] = {"worker_extension_cls": EXTENSION} if extension else {}
     return LLM(model=str(policy), enforce_eager=True, max_model_len=512, dtype="bfloat16",
+               tensor_parallel_size=tp,
                seed=0, max_num_seqs=4, disable_log_stats=False,
                speculative_config={"method": "draft_model", "model": str(draft),
                                    "num_speculative_tokens": SPEC_TOKENS}, **kw)
@@ -72,8 +73,9 @@ from pathlib import Path
 from tests.engine.test_drafter import _greedy, _llm
 from tests.engine.conftest import close_llm
 out = {}
+tp = int(sys.argv[2])
 for policy, draft in json.loads(sys.argv[1]):
-    llm = _llm(Path(policy), Path(draft), extension=False)
+    llm = _llm(Path(policy), Path(draft), extension=False, tp=tp)
     try:
         out[policy] = _greedy(llm)
     finally:
@@ -82,11 +84,14 @@ print("FRESH " + json.dumps(out))
 """
 
 
-def _fresh(tmp: Path, pairs: list[tuple[Path, Path]]) -> dict[str, list[list[int]]]:
+def _fresh(tmp: Path, pairs: list[tuple[Path, Path]], tp: int) -> dict[str, list[list[int]]]:
     """Greedy tokens of fresh stock engines (no extension, same speculative configuration),
     one per (policy, draft) checkpoint pair, in a child process."""
+    env = {"VLLM_CACHE_ROOT": str(tmp / "fresh-cache")}
+    if tp == 2:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"
     proc = run_engine_child(tmp, FRESH, json.dumps([[str(p), str(d)] for p, d in pairs]),
-                            env={"VLLM_CACHE_ROOT": str(tmp / "fresh-cache")}, timeout=300,
+                            str(tp), env=env, timeout=300,
                             hang="the fresh speculative engine hung")
     [line] = [x for x in proc.stdout.splitlines() if x.startswith("FRESH ")]
     return json.loads(line[len("FRESH "):])
@@ -123,7 +128,8 @@ def _spec_counters(llm: Any) -> dict[str, float]:
 
 @requires_vllm
 @pytest.mark.engine
-def test_policy_and_drafter_follow_their_buckets(tmp_path: Path) -> None:
+@pytest.mark.parametrize("tp", [1, 2])
+def test_policy_and_drafter_follow_their_buckets(tmp_path: Path, tp: int) -> None:
     policy_dir = build_model(tmp_path / "policy", "llama", seed=3)
     draft_dir = build_model(tmp_path / "draft", "llama", num_layers=1, seed=3)
     policy, draft = Trainer(policy_dir, lr=2e-3, seed=1), Trainer(draft_dir, lr=2e-3, seed=2)
@@ -132,9 +138,9 @@ def test_policy_and_drafter_follow_their_buckets(tmp_path: Path) -> None:
     ckpts: list[tuple[Path, Path]] = []
     with DeltaPublisher(p_url, anchor_every=10) as ppub, \
             DeltaPublisher(d_url, anchor_every=10) as dpub, \
-            engine_env(tmp_path, 1, url=p_url, drafter_url=d_url, poll_interval_s=0.1,
+            engine_env(tmp_path, tp, url=p_url, drafter_url=d_url, poll_interval_s=0.1,
                        metrics_port=port, metrics_host="127.0.0.1"):
-        llm = _llm(policy_dir, draft_dir, extension=True)
+        llm = _llm(policy_dir, draft_dir, extension=True, tp=tp)
         try:
             for step in range(STEPS + 1):
                 if step:
@@ -190,5 +196,5 @@ def test_policy_and_drafter_follow_their_buckets(tmp_path: Path) -> None:
             assert _drafter_digests_equal(llm, ckpts[-1][1])  # its last good weights
         finally:
             close_llm(llm)
-    fresh = _fresh(tmp_path, [ckpts[-1]])
+    fresh = _fresh(tmp_path, [ckpts[-1]], tp)
     assert served == fresh[str(ckpts[-1][0])]
