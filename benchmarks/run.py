@@ -1,6 +1,7 @@
 """The one entry point of the benchmark suite: runs what applies here, writes RESULTS.md.
 
     .venv/bin/python -m benchmarks.run [--quick] [--only codec,publisher] [--out benchmarks/RESULTS.md]
+    .venv/bin/python -m benchmarks.run --only drafter --merge   # re-run one section in place
 
 Each benchmark is a module ``benchmarks/bench_<name>.py`` with ``run(quick: bool) -> str``
 (a Markdown section). A module that is missing, or whose dependencies are not installed on this
@@ -16,6 +17,7 @@ import datetime
 import importlib
 import os
 import platform
+import re
 import shlex
 import sys
 import time
@@ -32,6 +34,7 @@ BENCHMARKS = {
     "peers": "our scatter vs vLLM's load_checkpoint_weight_patches and reload_weights on one engine, at ~0.5% and ~3%, and the memory floor",
     "download": "download throughput vs plain parallel GET",
     "moe": "per-expert cost: shard map build with learned CPU MoE layouts, one step's apply, layout memory",
+    "drafter": "speculative decoding: acceptance rate and decode throughput per training step, drafter following its bucket vs frozen, one run",
     "scale": "1T MoE scale model: one EP rank's real expert share over hf://, requests, bytes, publish/download/decode/apply, extrapolated per node and fleet",
 }
 DEFAULT_OUT = Path(__file__).with_name("RESULTS.md")
@@ -92,12 +95,38 @@ def render(results: dict[str, tuple[str, str]], argv: list[str], started: dateti
     return "\n".join(lines) + "\n"
 
 
+def merge(old: str, results: dict[str, tuple[str, str]], argv: list[str],
+          started: datetime.datetime, seconds: float) -> str:
+    """``old`` (a RESULTS.md) with the sections of ``results`` replaced or added, and a header
+    line saying which sections came from this later run (so no ratio is read across runs)."""
+    head, *parts = re.split(r"(?m)^## (?=\S+\n)", old)
+    sections = {p.split("\n", 1)[0]: p.split("\n", 1)[1] for p in parts}
+    sections = {k: v for k, v in sections.items() if k in BENCHMARKS}
+    table = dict(re.findall(r"(?m)^\| (\w+) \| (\w+) \| ", head))
+    for name, (status, body) in results.items():
+        sections[name] = f"\n{body}\n"
+        table[name] = status
+    order = [n for n in BENCHMARKS if n in sections]
+    intro = head.split("\n| benchmark | status |", 1)[0].rstrip("\n").split("\n")
+    intro.append(f"- {', '.join(results)} re-run alone on {started.strftime('%Y-%m-%d %H:%M UTC')}: "
+                 f"`{shlex.join(['python', '-m', 'benchmarks.run', *argv])}` ({seconds:.0f} s); "
+                 "compare within a section, not across these runs.")
+    lines = [*intro, "", "| benchmark | status | measures |", "|---|---|---|"]
+    lines += [f"| {n} | {table.get(n, 'not run')} | {BENCHMARKS[n]} |" for n in order]
+    out = "\n".join(lines) + "\n"
+    for name in order:
+        out += f"\n## {name}\n{sections[name].rstrip()}\n"
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(description="Run every benchmark that applies here.")
     parser.add_argument("--quick", action="store_true", help="small sizes (a smoke test, minutes)")
     parser.add_argument("--only", default="", help=f"comma-separated subset of {','.join(BENCHMARKS)}")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    parser.add_argument("--merge", action="store_true",
+                        help="keep the other sections of --out, replace or add only these")
     args = parser.parse_args(argv)
     names = [n for n in args.only.split(",") if n] or list(BENCHMARKS)
     unknown = sorted(set(names) - set(BENCHMARKS))
@@ -109,7 +138,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[benchmarks] {name} ...", file=sys.stderr, flush=True)
         results[name] = run_one(name, args.quick)
         print(f"[benchmarks] {name}: {results[name][0]}", file=sys.stderr, flush=True)
-    args.out.write_text(render(results, argv, started, time.perf_counter() - t0))
+    seconds = time.perf_counter() - t0
+    if args.merge and args.out.exists():
+        args.out.write_text(merge(args.out.read_text(), results, argv, started, seconds))
+    else:
+        args.out.write_text(render(results, argv, started, seconds))
     print(f"[benchmarks] wrote {args.out}", file=sys.stderr)
     return 0 if all(status != "failed" for status, _ in results.values()) else 1
 

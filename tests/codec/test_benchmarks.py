@@ -41,3 +41,20 @@ def test_runner_skips_missing_benchmarks_and_writes_the_file(tmp_path: Path, mon
     text = out.read_text()
     assert "| nonexistent | skipped |" in text and "not written yet" in text
     assert "- machine: " in text and "--only nonexistent" in text
+
+
+def test_merge_replaces_one_section_and_keeps_the_others(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    out = tmp_path / "RESULTS.md"
+    monkeypatch.setitem(bench_run.BENCHMARKS, "nonexistent", "a benchmark nobody wrote")
+    monkeypatch.setitem(bench_run.BENCHMARKS, "zzmissing", "another")
+    assert bench_run.main(["--only", "nonexistent,zzmissing", "--out", str(out)]) == 0
+    text = out.read_text().replace("not written yet (", "OLD BODY (", 1)
+    out.write_text(text)
+    assert bench_run.main(["--only", "zzmissing", "--out", str(out), "--merge"]) == 0
+    merged = out.read_text()
+    assert merged.count("## nonexistent\n") == 1 and merged.count("## zzmissing\n") == 1
+    assert "OLD BODY" in merged.split("## zzmissing")[0]  # the other section is kept as it was
+    assert "not written yet" in merged.split("## zzmissing")[1]  # this one is new
+    assert "zzmissing re-run alone on" in merged and "| nonexistent | skipped |" in merged
+    assert merged.startswith("# Benchmark results\n") and "- machine: " in merged

@@ -12,14 +12,16 @@ real AdamW steps. After each step the engine switched both by itself, and:
   the same kernels on both sides);
 * vLLM's acceptance counters are present and count.
 
-Then the drafter's bucket breaks (its newest step's data file is gone): the policy keeps
-following, the drafter keeps its last good weights, and ``/synced`` shows the drafter's error
-without answering 503 for it (a draft changes speed, never tokens).
+Then the drafter's bucket breaks (its newest step's data files are corrupt at TP=1, gone at
+TP=2): the policy keeps following, the drafter keeps its last good weights, ``/synced`` shows
+the drafter's error without answering 503 for it (a draft changes speed, never tokens), and the
+metrics say so (``deltasync_failing{model="drafter"} 1``, its applied step unchanged).
 """
 
 from __future__ import annotations
 
 import json
+import re
 import time
 import urllib.error
 import urllib.request
@@ -42,6 +44,8 @@ from .conftest import (
     run_engine_child,
     wait_applied,
 )
+
+DASHBOARD = Path(__file__).parents[2] / "deploy" / "grafana" / "dashboards" / "vllm-deltasync.json"
 
 SPEC_TOKENS = 3
 PROMPTS = ["the policy moved a step", "river mountain city house garden window"]
@@ -161,19 +165,27 @@ def test_policy_and_drafter_follow_their_buckets(tmp_path: Path, tp: int) -> Non
             counters = _spec_counters(llm)
             assert counters.get("vllm:spec_decode_num_draft_tokens", 0) > 0, counters
             assert "vllm:spec_decode_num_accepted_tokens" in counters, counters
+            # the dashboard's acceptance panel reads exactly these counters
+            panel = set(re.findall(r"vllm:[a-z_]+", DASHBOARD.read_text()))
+            assert panel and {n.removesuffix("_total") for n in panel} <= set(counters), panel
             status = engine_status(llm)["drafter"]
             assert [s["step"] for s in status["switches"]] == list(range(STEPS + 1)), status
 
-            # the drafter's bucket breaks: its newest step's data is gone
+            # the drafter's bucket breaks: its newest step's data is corrupt (TP=1) or gone (TP=2)
             policy.step()
             draft.step()
             dpub.publish(STEPS + 1, draft.named_tensors())
             dpub.flush()
-            gone = [f for d in (tmp_path / "draft-bucket" / "data").glob(f"{STEPS + 1:012d}-*")
-                    for f in d.iterdir()]
-            assert gone
-            for f in gone:
-                f.unlink()
+            broken = [f for d in (tmp_path / "draft-bucket" / "data").glob(f"{STEPS + 1:012d}-*")
+                      for f in d.iterdir()]
+            assert broken
+            for f in broken:
+                if tp == 1:
+                    data = bytearray(f.read_bytes())
+                    data[len(data) // 2] ^= 0xFF
+                    f.write_bytes(bytes(data))
+                else:
+                    f.unlink()
             ppub.publish(STEPS + 1, policy.named_tensors())
             ppub.flush()
             wait_applied(llm, STEPS + 1)
@@ -193,6 +205,16 @@ def test_policy_and_drafter_follow_their_buckets(tmp_path: Path, tp: int) -> Non
                 time.sleep(0.2)
             assert synced["synced"] is True and synced["drafter_synced"] is False, synced
             assert all(row["applied_step"] == STEPS for row in drafter_rows), synced
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+                text = r.read().decode()
+            for rank in range(tp):
+                who = f'model="drafter",rank="{rank}"'
+                assert f"deltasync_failing{{{who}}} 1.0" in text, text
+                assert f"deltasync_applied_step{{{who}}} {float(STEPS)}" in text, text
+                assert f'deltasync_failing{{model="policy",rank="{rank}"}} 0.0' in text, text
+            reason = "IntegrityError" if tp == 1 else ""
+            assert re.search(r'deltasync_failures_total\{model="drafter",rank="0",'
+                             rf'reason="\w*{reason}\w*",stage="\w+"\}} [1-9]', text), text
             assert _drafter_digests_equal(llm, ckpts[-1][1])  # its last good weights
         finally:
             close_llm(llm)

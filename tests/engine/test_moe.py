@@ -307,8 +307,8 @@ def test_proof_refuses_checkpoint_layout_on_repacked_experts(tp2_refused: Refuse
     assert not status["active"] and "startup proof failed" in status["last_error"]
     assert synced["coordinator"]["failing"]
     assert "w13_weight" in str(synced) or "w2_weight" in str(synced)
-    assert 'deltasync_failing{rank="0"} 1.0' in metrics
-    assert 'deltasync_failing{rank="1"} 1.0' in metrics
+    assert 'deltasync_failing{model="policy",rank="0"} 1.0' in metrics
+    assert 'deltasync_failing{model="policy",rank="1"} 1.0' in metrics
     assert before == after  # still serving the checkpoint
 
 

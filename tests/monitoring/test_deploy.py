@@ -91,6 +91,19 @@ def test_every_metric_named_in_rules_and_dashboard_is_exported() -> None:
     assert used <= known, f"not exported by vllm_deltasync.server.metrics: {sorted(used - known)}"
 
 
+VLLM_NAME = re.compile(r"\bvllm:[a-z0-9_]+\b")
+
+
+def test_the_vllm_series_the_dashboard_reads_are_documented() -> None:
+    """vLLM's own series (speculative acceptance) are named in the README; that a real engine
+    exports them is checked by tests/engine/test_drafter.py from the same dashboard."""
+    used = {n for e in dashboard_exprs() for n in VLLM_NAME.findall(e)}
+    assert used == {"vllm:spec_decode_num_accepted_tokens_total",
+                    "vllm:spec_decode_num_draft_tokens_total"}, used
+    readme = (DEPLOY.parent / "README.md").read_text()
+    assert all(f"`{n}`" in readme for n in used)
+
+
 def test_dashboard_structure() -> None:
     dash = json.loads(DASHBOARD.read_text())
     assert dash["uid"] and dash["title"] and dash["schemaVersion"] >= 36

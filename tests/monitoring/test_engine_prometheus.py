@@ -118,7 +118,7 @@ def test_engine_metrics_follow_published_steps(server: dict[str, Any], prometheu
     code, body = http_get(f"{server['api']}/metrics")
     assert code == 200
     values = parse_exposition(body.decode())
-    assert values[("deltasync_applied_step", (("rank", "0"),))] == last
+    assert values[("deltasync_applied_step", (("model", "policy"), ("rank", "0")))] == last
     # and the dashboard's queries run without error on the engine's series
     dash = json.loads((DEPLOY / "grafana" / "dashboards" / "vllm-deltasync.json").read_text())
     for panel in dash["panels"]:

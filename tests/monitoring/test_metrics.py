@@ -38,15 +38,15 @@ def test_gauges_follow_status_per_rank(registry: CollectorRegistry) -> None:
     m.update([status(0, 7, 9, a, applied_published_at=100.0, newest_published_at=130.5,
                      staged_bytes=4096, last_discovery_at=140.0),
               status(1, None, 9, b)], now=150.0)
-    assert sample(registry, "deltasync_applied_step", rank="0") == 7
-    assert sample(registry, "deltasync_steps_behind", rank="0") == 2
-    assert sample(registry, "deltasync_applied_step", rank="1") == -1
-    assert sample(registry, "deltasync_steps_behind", rank="1") == 10
-    assert sample(registry, "deltasync_newest_publish_timestamp_seconds", rank="0") == 130.5
-    assert sample(registry, "deltasync_applied_publish_timestamp_seconds", rank="0") == 100.0
-    assert sample(registry, "deltasync_staged_bytes", rank="0") == 4096
-    assert sample(registry, "deltasync_last_discovery_timestamp_seconds", rank="0") == 140.0
-    assert sample(registry, "deltasync_applied_publish_timestamp_seconds", rank="1") is None
+    assert sample(registry, "deltasync_applied_step", model="policy", rank="0") == 7
+    assert sample(registry, "deltasync_steps_behind", model="policy", rank="0") == 2
+    assert sample(registry, "deltasync_applied_step", model="policy", rank="1") == -1
+    assert sample(registry, "deltasync_steps_behind", model="policy", rank="1") == 10
+    assert sample(registry, "deltasync_newest_publish_timestamp_seconds", model="policy", rank="0") == 130.5
+    assert sample(registry, "deltasync_applied_publish_timestamp_seconds", model="policy", rank="0") == 100.0
+    assert sample(registry, "deltasync_staged_bytes", model="policy", rank="0") == 4096
+    assert sample(registry, "deltasync_last_discovery_timestamp_seconds", model="policy", rank="0") == 140.0
+    assert sample(registry, "deltasync_applied_publish_timestamp_seconds", model="policy", rank="1") is None
     assert sample(registry, "deltasync_status_timestamp_seconds") == 150.0
 
 
@@ -62,17 +62,17 @@ def test_cumulative_counters_become_exact_increments(registry: CollectorRegistry
     stats.add_apply("delta", 0.003, 17)
     store.count("read", "rate_limited", 2)
     m.update([status(0, 1, 1, stats, store)])
-    assert sample(registry, "deltasync_downloaded_bytes_total", rank="0", kind="anchor") == 1000
-    assert sample(registry, "deltasync_downloaded_bytes_total", rank="0", kind="delta") == 42
-    assert sample(registry, "deltasync_changed_elements_total", rank="0") == 17
-    assert sample(registry, "deltasync_applied_steps_total", rank="0", kind="delta") == 1
-    assert sample(registry, "deltasync_download_duration_seconds_count", rank="0") == 3
-    assert sample(registry, "deltasync_download_duration_seconds_sum", rank="0") == pytest.approx(0.23)
-    assert sample(registry, "deltasync_apply_duration_seconds_count", rank="0") == 1
-    labels = {"rank": "0", "operation": "read"}
+    assert sample(registry, "deltasync_downloaded_bytes_total", model="policy", rank="0", kind="anchor") == 1000
+    assert sample(registry, "deltasync_downloaded_bytes_total", model="policy", rank="0", kind="delta") == 42
+    assert sample(registry, "deltasync_changed_elements_total", model="policy", rank="0") == 17
+    assert sample(registry, "deltasync_applied_steps_total", model="policy", rank="0", kind="delta") == 1
+    assert sample(registry, "deltasync_download_duration_seconds_count", model="policy", rank="0") == 3
+    assert sample(registry, "deltasync_download_duration_seconds_sum", model="policy", rank="0") == pytest.approx(0.23)
+    assert sample(registry, "deltasync_apply_duration_seconds_count", model="policy", rank="0") == 1
+    labels = {"model": "policy", "rank": "0", "operation": "read"}
     assert sample(registry, "deltasync_store_requests_total", outcome="rate_limited", **labels) == 2
     assert sample(registry, "deltasync_store_requests_total", outcome="ok", **labels) == 0
-    assert sample(registry, "deltasync_store_requests_total", rank="0", operation="list",
+    assert sample(registry, "deltasync_store_requests_total", model="policy", rank="0", operation="list",
                   outcome="ok") == 1
 
 
@@ -84,8 +84,8 @@ def test_a_restarted_worker_is_counted_from_zero(registry: CollectorRegistry) ->
     new = metrics.WorkerStats()  # new epoch, smaller totals, event numbers start again
     new.add_download("delta", 100, 0.1)
     m.update([status(0, 1, 1, new)])
-    assert sample(registry, "deltasync_downloaded_bytes_total", rank="0", kind="delta") == 600
-    assert sample(registry, "deltasync_download_duration_seconds_count", rank="0") == 2
+    assert sample(registry, "deltasync_downloaded_bytes_total", model="policy", rank="0", kind="delta") == 600
+    assert sample(registry, "deltasync_download_duration_seconds_count", model="policy", rank="0") == 2
 
 
 def test_failures_and_last_error(registry: CollectorRegistry) -> None:
@@ -95,13 +95,13 @@ def test_failures_and_last_error(registry: CollectorRegistry) -> None:
     err = "ChainError: step 3: base 2 missing"
     m.update([status(0, 1, 3, stats, last_error=err)], now=10.0)
     m.update([status(0, 1, 3, stats, last_error=err)], now=20.0)  # same error: time kept
-    assert sample(registry, "deltasync_failures_total", rank="0", stage="verify",
+    assert sample(registry, "deltasync_failures_total", model="policy", rank="0", stage="verify",
                   reason="ChainError") == 1
-    assert sample(registry, "deltasync_failing", rank="0") == 1
-    assert sample(registry, "deltasync_last_failure_timestamp_seconds", rank="0",
+    assert sample(registry, "deltasync_failing", model="policy", rank="0") == 1
+    assert sample(registry, "deltasync_last_failure_timestamp_seconds", model="policy", rank="0",
                   reason="ChainError") == 10.0
     m.update([status(0, 3, 3, stats)], now=30.0)
-    assert sample(registry, "deltasync_failing", rank="0") == 0
+    assert sample(registry, "deltasync_failing", model="policy", rank="0") == 0
 
 
 def test_switch_and_bucket_info_without_credentials(registry: CollectorRegistry) -> None:
@@ -150,8 +150,35 @@ def test_server_serves_metrics_and_readiness(registry: CollectorRegistry) -> Non
         assert http_get(f"{base}/synced?max_steps_behind=x")[0] == 400
         code, body = http_get(f"{base}/metrics")
         values = parse_exposition(body.decode())
-        assert values[("deltasync_steps_behind", (("rank", "1"),))] == 2
+        assert values[("deltasync_steps_behind", (("model", "policy"), ("rank", "1")))] == 2
         with pytest.raises(ConfigError, match="choose another metrics_port"):
             metrics.MetricsServer(m, port=server.port, addr="127.0.0.1")
     finally:
         server.close()
+
+
+def test_the_drafter_has_its_own_series(registry: CollectorRegistry) -> None:
+    """A rank's status carries its drafter's (``drafter_url``): the same series, ``model``
+    label ``drafter``; a drafter refused at start is failing; /synced shows it, never 503s."""
+    m = metrics.SyncMetrics(registry=registry)
+    p, d = metrics.WorkerStats(), metrics.WorkerStats()
+    d.add_download("delta", 300, 0.05)
+    d.add_failure("verify", "IntegrityError: x")
+    m.update([status(0, 4, 4, p, drafter=status(0, 2, 4, d, last_error="IntegrityError: x")),
+              status(1, 4, 4, p, drafter={"model": "drafter", "rank": 1, "refused": "no draft"})])
+    assert sample(registry, "deltasync_applied_step", model="policy", rank="0") == 4
+    assert sample(registry, "deltasync_applied_step", model="drafter", rank="0") == 2
+    assert sample(registry, "deltasync_steps_behind", model="drafter", rank="0") == 2
+    assert sample(registry, "deltasync_failing", model="policy", rank="0") == 0
+    assert sample(registry, "deltasync_failing", model="drafter", rank="0") == 1
+    assert sample(registry, "deltasync_failing", model="drafter", rank="1") == 1  # refused
+    assert sample(registry, "deltasync_downloaded_bytes_total", model="drafter", rank="0",
+                  kind="delta") == 300
+    assert sample(registry, "deltasync_downloaded_bytes_total", model="policy", rank="0",
+                  kind="delta") == 0  # the policy downloaded nothing
+    assert sample(registry, "deltasync_failures_total", model="drafter", rank="0",
+                  stage="verify", reason="IntegrityError") == 1
+    ok, body = m.synced()
+    assert ok and body["drafter_synced"] is False
+    assert [r["rank"] for r in body["drafter"]] == [0, 1]
+    assert body["drafter"][1]["refused"] == "no draft"

@@ -42,11 +42,11 @@ def test_values_reach_the_api_server_process(tmp_path: Path) -> None:
     run(ENGINE_CORE, tmp_path)
     values = parse_exposition(run(API_SERVER, tmp_path))
     # gauges: the most recent value, no pid label
-    assert values[("deltasync_applied_step", (("rank", "0"),))] == 7
-    assert values[("deltasync_steps_behind", (("rank", "1"),))] == 0
+    assert values[("deltasync_applied_step", (("model", "policy"), ("rank", "0")))] == 7
+    assert values[("deltasync_steps_behind", (("model", "policy"), ("rank", "1")))] == 0
     assert values[("deltasync_bucket_info", (("format_version", "1"), ("url", "file:///bucket")))] == 1
     # counters and histograms: summed over processes, counted once per increment
-    key = ("deltasync_downloaded_bytes_total", (("kind", "delta"), ("rank", "0")))
+    key = ("deltasync_downloaded_bytes_total", (("kind", "delta"), ("model", "policy"), ("rank", "0")))
     assert values[key] == 1234
     assert values[("deltasync_switches_total", ())] == 1
     assert values[("deltasync_pause_duration_seconds_count", ())] == 1

@@ -56,6 +56,7 @@ def test_failing_rank_and_json(replica: tuple[metrics.SyncMetrics, str]) -> None
     assert code == 3 and out.rstrip().endswith("error=IntegrityError@rank1")
     code, out = run(address, "--json")
     [row] = json.loads(out)
+    assert row["drafter"] is None  # no drafter series: nothing said of one
     assert row["applied_step"] == 3 and row["steps_behind"] == 1 and row["ranks"] == 2
     assert row["error"] == "IntegrityError@rank1" and row["unreachable"] is None
 
@@ -70,6 +71,23 @@ def test_a_lost_branch_is_shown_and_unhealthy(replica: tuple[metrics.SyncMetrics
     m.update([rank(0, 3, 3), rank(1, 3, 3)])
     code, out = run(address)
     assert code == 0 and "branch=" not in out
+
+
+def test_the_drafter_is_shown_and_never_unhealthy(
+        replica: tuple[metrics.SyncMetrics, str]) -> None:
+    m, address = replica
+    policy = [rank(0, 5, 5), rank(1, 5, 5)]
+    policy[0]["drafter"] = rank(0, 4, 5)
+    policy[1]["drafter"] = rank(1, 3, 5, "IntegrityError: step 5: data file is corrupt")
+    m.update(policy)
+    code, out = run(address)
+    assert code == 0, out  # the policy is current; a broken draft changes speed, not tokens
+    assert out.rstrip().endswith(
+        "applied=5 newest=5 behind=0 lag=0.0s ranks=2 error=- "
+        "drafter=applied:3,behind:2,error:IntegrityError@rank1"), out
+    assert run(address, "--max-steps-behind", "0")[0] == 0  # the policy's lag only
+    [row] = json.loads(run(address, "--json")[1])
+    assert row["drafter"] == "applied:3,behind:2,error:IntegrityError@rank1"
 
 
 def test_unreachable_and_foreign_endpoints(replica: tuple[metrics.SyncMetrics, str]) -> None:

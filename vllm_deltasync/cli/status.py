@@ -14,7 +14,9 @@ tensor parallelism reports one series per rank: the line shows its worst rank (l
 step, most steps behind) and the error of a rank whose last attempt failed
 (``error=IntegrityError@rank1``), and ``branch=lost@rank0`` while a rank's applied step left the
 bucket's chain (a trainer restart that reused step numbers, a wiped bucket: it resyncs through
-the newest anchor). Exit status: 0 all fine, 1 a server unreachable or exposing no deltasync
+the newest anchor). A server whose speculative drafter follows its own bucket adds
+``drafter=applied:N,behind:M,error:-`` (series with ``model="drafter"``); a drafter's failure
+is shown and never changes the exit status (a draft changes speed, not tokens). Exit status: 0 all fine, 1 a server unreachable or exposing no deltasync
 metrics, 3 a replica failing, on a lost branch, or more than ``--max-steps-behind`` steps
 behind.
 """
@@ -29,7 +31,7 @@ import urllib.parse
 import urllib.request
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
@@ -58,6 +60,9 @@ class ReplicaStatus:
     """``rank<N>`` of a rank whose applied step left the bucket's chain (resyncing), else None."""
     unreachable: str | None = None
     """Why the metrics could not be read; the other fields are then empty."""
+    drafter: str | None = None
+    """``applied:N,behind:M,error:<reason>@rank<N>`` of the speculative drafter (its worst rank),
+    None when the server has no drafter series."""
 
     def line(self) -> str:
         if self.unreachable is not None:
@@ -66,7 +71,8 @@ class ReplicaStatus:
         return (f"{self.url}  applied={_show(self.applied_step)} newest={_show(self.newest_step)} "
                 f"behind={_show(self.steps_behind)} lag={lag} ranks={self.ranks} "
                 f"error={self.error or '-'}"
-                + (f" branch=lost@{self.branch_lost}" if self.branch_lost else ""))
+                + (f" branch=lost@{self.branch_lost}" if self.branch_lost else "")
+                + (f" drafter={self.drafter}" if self.drafter else ""))
 
 
 def _show(value: int | None) -> str:
@@ -94,24 +100,30 @@ def metrics_url(url: str) -> str:
 
 def parse_status(url: str, text: str) -> ReplicaStatus:
     """Summarize one exposition (Prometheus text format) of a replica."""
-    per_rank: dict[str, dict[str, float]] = {}
-    failures: dict[str, tuple[float, str]] = {}
+    per_model: dict[str, dict[str, dict[str, float]]] = {"policy": {}, "drafter": {}}
+    failures: dict[str, dict[str, tuple[float, str]]] = {"policy": {}, "drafter": {}}
     try:
         samples = [s for family in text_string_to_metric_families(text) for s in family.samples]
     except Exception:  # noqa: BLE001 - HTML, garbage: whatever the parser chokes on
         return ReplicaStatus(url, unreachable="not a Prometheus metrics endpoint (unparsable answer)")
     for s in samples:
         rank = s.labels.get("rank")
-        if rank is None or not s.name.startswith("deltasync_"):
+        model = s.labels.get("model", "policy")  # servers before the drafter had no model label
+        if rank is None or not s.name.startswith("deltasync_") or model not in per_model:
             continue
         if s.name == "deltasync_last_failure_timestamp_seconds":
-            if s.value > failures.get(rank, (-1.0, ""))[0]:
-                failures[rank] = (s.value, s.labels.get("reason", "Error"))
-        elif len(s.labels) == 1:
-            per_rank.setdefault(rank, {})[s.name[len("deltasync_"):]] = s.value
-    if not per_rank:
+            if s.value > failures[model].get(rank, (-1.0, ""))[0]:
+                failures[model][rank] = (s.value, s.labels.get("reason", "Error"))
+        elif set(s.labels) <= {"rank", "model"}:
+            per_model[model].setdefault(rank, {})[s.name[len("deltasync_"):]] = s.value
+    if not per_model["policy"]:
         return ReplicaStatus(url, unreachable="no deltasync metrics at this URL")
-    return _summarize(url, per_rank, failures)
+    row = _summarize(url, per_model["policy"], failures["policy"])
+    if per_model["drafter"]:
+        d = _summarize(url, per_model["drafter"], failures["drafter"])
+        row = replace(row, drafter=f"applied:{_show(d.applied_step)},"
+                                   f"behind:{_show(d.steps_behind)},error:{d.error or '-'}")
+    return row
 
 
 def _summarize(url: str, per_rank: dict[str, dict[str, float]],

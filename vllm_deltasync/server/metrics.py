@@ -48,7 +48,10 @@ Exposure
   directory. prometheus_client then keeps these values in files that vLLM's API server
   collects; gauges use ``livemostrecent`` so no ``pid`` label appears.
 * Tensor parallel: per-rank series carry ``rank``; engine-wide series (pause, switches) do not.
-  A replica's staleness is ``max by (instance) (deltasync_steps_behind)``.
+  A replica's staleness is ``max by (instance) (deltasync_steps_behind{model="policy"})``.
+* Speculative drafter: every per-rank series carries ``model`` (``policy``, or ``drafter`` for
+  the draft model following ``drafter_url``, read from the ``"drafter"`` entry of the rank's
+  status). A drafter that cannot follow shows ``deltasync_failing{model="drafter"} 1``.
 
 Counters in ``counters`` are cumulative since the worker started; :class:`SyncMetrics` turns
 them into increments (a new ``epoch`` means the worker restarted). Durations travel as
@@ -87,7 +90,10 @@ _APPLY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.
 _MAX_EVENTS = 1024
 
 
-_R = ("rank",)
+MODELS = ("policy", "drafter")
+"""Label ``model`` of every per-rank series: the served policy, or the speculative drafter that
+follows its own bucket (``drafter_url``)."""
+_R = ("model", "rank")
 #: (attribute, name without prefix, help, labels) of every gauge.
 _GAUGES: tuple[tuple[str, str, str, tuple[str, ...]], ...] = (
     ("applied_step", "applied_step", "Step the rank's live weights are at (-1: none yet).", _R),
@@ -109,7 +115,7 @@ _GAUGES: tuple[tuple[str, str, str, tuple[str, ...]], ...] = (
      _R),
     ("last_failure_ts", "last_failure_timestamp_seconds",
      "When the engine core first saw the rank's current error, by error class (unix seconds).",
-     ("rank", "reason")),
+     ("model", "rank", "reason")),
     ("status_ts", "status_timestamp_seconds",
      "Last time the engine core gathered every rank's status (unix seconds).", ()),
     ("last_switch_ts", "last_switch_timestamp_seconds",
@@ -123,17 +129,17 @@ _GAUGES: tuple[tuple[str, str, str, tuple[str, ...]], ...] = (
 #: (attribute, name without prefix and ``_total``, help, labels) of every counter.
 _COUNTERS: tuple[tuple[str, str, str, tuple[str, ...]], ...] = (
     ("downloaded_bytes", "downloaded_bytes", "Bytes of step data downloaded by the rank.",
-     ("rank", "kind")),
-    ("applied_steps", "applied_steps", "Steps applied by the rank.", ("rank", "kind")),
+     ("model", "rank", "kind")),
+    ("applied_steps", "applied_steps", "Steps applied by the rank.", ("model", "rank", "kind")),
     ("changed_elements", "changed_elements", "Parameter elements written by the rank.", _R),
     ("branch_changes", "branch_changes",
      "Branch changes seen by the rank: its applied step gone from the bucket's chain (see "
      "branch_lost), or a restarted trainer's anchor replacing steps after its checkpoint.", _R),
     ("failures", "failures", "Failed attempts by stage and error class.",
-     ("rank", "stage", "reason")),
+     ("model", "rank", "stage", "reason")),
     ("store_requests", "store_requests",
      "Bucket requests by operation and outcome (rate_limited: HTTP 429).",
-     ("rank", "operation", "outcome")),
+     ("model", "rank", "operation", "outcome")),
     ("switches", "switches", "Weight switches performed by the engine.", ()),
     ("coordinator_failures", "coordinator_failures",
      "Engine-core ticks that failed (a switch taken back by the engine core, a status poll that "
@@ -301,8 +307,8 @@ class SyncMetrics:
     ) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
         self._lock = threading.Lock()
-        self._cursors: dict[str, _RankCursor] = {}
-        self._errors: dict[str, str] = {}
+        self._cursors: dict[tuple[str, str], _RankCursor] = {}
+        self._errors: dict[tuple[str, str], str] = {}
         self.latest: list[Mapping[str, Any]] = []
         self._coordinator: dict[str, Any] = {"failing": False, "last_error": None}
         self._build(self.registry)
@@ -334,10 +340,10 @@ class SyncMetrics:
                         "expected a dict: see the glue section of vllm_deltasync/metrics.py"
                     )
                 rank = str(status.get("rank", index))
-                self._update_gauges(rank, status, now)
-                counters = status.get("counters")
-                if isinstance(counters, Mapping):
-                    self._update_counters(rank, counters)
+                self._update_model("policy", rank, status, now)
+                drafter = status.get("drafter")
+                if isinstance(drafter, Mapping):
+                    self._update_model("drafter", rank, drafter, now)
             self.latest = [dict(s) for s in statuses]
             self.status_ts.set(now)
 
@@ -369,14 +375,20 @@ class SyncMetrics:
             self._coordinator["failing"] = failing
             self.coordinator_failing.set(1 if failing else 0)
 
-    def _update_gauges(self, rank: str, s: Mapping[str, Any], now: float) -> None:
+    def _update_model(self, model: str, rank: str, s: Mapping[str, Any], now: float) -> None:
+        self._update_gauges((model, rank), s, now)
+        counters = s.get("counters")
+        if isinstance(counters, Mapping):
+            self._update_counters((model, rank), counters)
+
+    def _update_gauges(self, who: tuple[str, str], s: Mapping[str, Any], now: float) -> None:
         applied, newest = _int_or_none(s.get("applied_step")), _int_or_none(s.get("newest_step"))
         staged = _int_or_none(s.get("staged_step"))
-        self.applied_step.labels(rank).set(-1 if applied is None else applied)
-        self.staged_step.labels(rank).set(-1 if staged is None else staged)
-        self.newest_step.labels(rank).set(-1 if newest is None else newest)
+        self.applied_step.labels(*who).set(-1 if applied is None else applied)
+        self.staged_step.labels(*who).set(-1 if staged is None else staged)
+        self.newest_step.labels(*who).set(-1 if newest is None else newest)
         behind = 0 if newest is None else newest - (-1 if applied is None else applied)
-        self.steps_behind.labels(rank).set(max(behind, 0))
+        self.steps_behind.labels(*who).set(max(behind, 0))
         for key, gauge in (
             ("applied_published_at", self.applied_publish_ts),
             ("newest_published_at", self.newest_publish_ts),
@@ -385,42 +397,42 @@ class SyncMetrics:
         ):
             value = _float_or_none(s.get(key))
             if value is not None:
-                gauge.labels(rank).set(value)
-        self.branch_lost.labels(rank).set(1 if s.get("branch_lost") else 0)
-        error = str(s.get("last_error") or "")
-        self.failing.labels(rank).set(1 if error else 0)
-        if error and self._errors.get(rank) != error:
-            self.last_failure_ts.labels(rank, error_reason(error)).set(now)
-        self._errors[rank] = error
+                gauge.labels(*who).set(value)
+        self.branch_lost.labels(*who).set(1 if s.get("branch_lost") else 0)
+        error = str(s.get("last_error") or s.get("refused") or "")
+        self.failing.labels(*who).set(1 if error else 0)
+        if error and self._errors.get(who) != error:
+            self.last_failure_ts.labels(*who, error_reason(error)).set(now)
+        self._errors[who] = error
 
-    def _update_counters(self, rank: str, c: Mapping[str, Any]) -> None:
+    def _update_counters(self, who: tuple[str, str], c: Mapping[str, Any]) -> None:
         epoch = str(c.get("epoch", ""))
-        cursor = self._cursors.get(rank)
+        cursor = self._cursors.get(who)
         if cursor is None or cursor.epoch != epoch:
-            cursor = self._cursors[rank] = _RankCursor(epoch)
+            cursor = self._cursors[who] = _RankCursor(epoch)
         for kind, total in dict(c.get("downloaded_bytes") or {}).items():
-            _inc(self.downloaded_bytes.labels(rank, kind), cursor.advance(("b", kind), total))
+            _inc(self.downloaded_bytes.labels(*who, kind), cursor.advance(("b", kind), total))
         for kind, total in dict(c.get("applied_steps") or {}).items():
-            _inc(self.applied_steps.labels(rank, kind), cursor.advance(("a", kind), total))
+            _inc(self.applied_steps.labels(*who, kind), cursor.advance(("a", kind), total))
         changed = c.get("changed_elements")
         if changed is not None:
-            _inc(self.changed_elements.labels(rank), cursor.advance(("c",), changed))
+            _inc(self.changed_elements.labels(*who), cursor.advance(("c",), changed))
         branches = c.get("branch_changes")
         if branches is not None:
-            _inc(self.branch_changes.labels(rank), cursor.advance(("g",), branches))
+            _inc(self.branch_changes.labels(*who), cursor.advance(("g",), branches))
         for stage, reason, total in c.get("failures") or ():
-            _inc(self.failures.labels(rank, stage, reason), cursor.advance(("f", stage, reason), total))
+            _inc(self.failures.labels(*who, stage, reason), cursor.advance(("f", stage, reason), total))
         for op, outcome, total in c.get("store_requests") or ():
             for known in _OUTCOMES:  # zero series, so rate(...{outcome="rate_limited"}) has data
-                self.store_requests.labels(rank, op, known)
+                self.store_requests.labels(*who, op, known)
             key = ("r", op, outcome)
-            _inc(self.store_requests.labels(rank, op, outcome), cursor.advance(key, total))
+            _inc(self.store_requests.labels(*who, op, outcome), cursor.advance(key, total))
         for seq, kind, seconds in c.get("events") or ():
             if seq <= cursor.last_event:
                 continue
             cursor.last_event = seq
             hist = self.download_duration if kind == "download" else self.apply_duration
-            hist.labels(rank).observe(seconds)
+            hist.labels(*who).observe(seconds)
 
     def synced(self, max_steps_behind: int = 0) -> tuple[bool, dict[str, Any]]:
         """Readiness: every rank is at most ``max_steps_behind`` steps behind the newest step it

@@ -90,7 +90,8 @@ def on_engine_core(engine: Any) -> None:
     engine.deltasync_engine_status = lambda: _engine_status(engine)
     engine.deltasync_count_conflict = lambda reason: _count_conflict(engine, reason)
     _hook_shutdown(engine)
-    if surface_refusal() is not None:
+    refused = surface_refusal()
+    if refused is not None:
         # this vLLM lacks something the hooks need: refuse now (the coordinator only serves
         # /synced with the reason and stops the ranks), install nothing else
         _ensure_coordinator(engine, in_process=True)
@@ -98,7 +99,7 @@ def on_engine_core(engine: Any) -> None:
         _hook_busy_loop(engine)
     else:
         _hook_in_process(engine)
-    if surface_refusal() is None and weight_transfer_backend(engine.vllm_config) == BACKEND:
+    if refused is None and weight_transfer_backend(engine.vllm_config) == BACKEND:
         _hook_weight_transfer(engine)
 
 
