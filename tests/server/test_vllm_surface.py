@@ -128,3 +128,16 @@ def test_the_break_failpoint_names_the_symbol(monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.setenv(surface.BREAK_ENV, SURFACE[3].name)
     found = check(_tree({}), SURFACE[:5])
     assert [f.problem.startswith("made to fail") for f in found] == [False] * 3 + [True, False]
+
+
+def test_a_drafter_symbol_refuses_only_the_drafter(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A missing symbol the drafter's following needs (``scope="drafter"``) is a problem of the
+    drafter only: the engine's refusal does not name it, the drafter's does."""
+    drafter = [s for s in SURFACE if s.scope == "drafter"]
+    assert drafter and all(s.scope == "engine" for s in SURFACE if s not in drafter)
+    monkeypatch.setenv(surface.BREAK_ENV, drafter[0].name)
+    assert not any(drafter[0].name in line for line in surface.cached_problems())
+    assert any(drafter[0].name in line for line in surface.cached_problems("drafter"))
+    monkeypatch.setenv(surface.BREAK_ENV, SURFACE[0].name)
+    assert not any(SURFACE[0].name in line for line in surface.cached_problems("drafter"))
+    assert any(SURFACE[0].name in line for line in surface.cached_problems())

@@ -32,6 +32,7 @@ from vllm_deltasync.config import SyncConfig
 from vllm_deltasync.errors import ApplyError, DeltaSyncError
 from vllm_deltasync.server.engine.coordinator import FAIL_APPLY_RPC_ENV
 from vllm_deltasync.server.messages import ApplyResult, RankStatus
+from vllm_deltasync.server.vllm import surface
 from vllm_deltasync.server.vllm import worker as vllm_worker
 from vllm_deltasync.server.vllm.plugin import PLUGIN_REFUSALS, extension_configured, register_plugin
 from vllm_deltasync.server.worker.rank import (
@@ -88,6 +89,14 @@ class DeltaSyncExtension:
 
         w: Any = self
         rank = int(getattr(w, "rank", 0))
+        missing = surface.cached_problems("drafter")
+        if missing:
+            self._deltasync_drafter_refused = (
+                f"vLLM {surface.vllm_version()} lacks what the drafter's following relies on "
+                f"({'; '.join(missing)}); the draft keeps its loaded weights, the policy follows")
+            logger.error("deltasync rank %d: the drafter does not follow: %s", rank,
+                         self._deltasync_drafter_refused)
+            return
         source = vllm_worker.drafter_source(w)
         if source is None:
             self._deltasync_drafter_refused = (

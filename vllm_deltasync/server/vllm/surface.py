@@ -55,6 +55,9 @@ class Symbol:
     """An instance attribute (``self.<name> = ...``), not a ``def``."""
     private: bool = False
     """Not vLLM's public API (a leading underscore, or an internal module)."""
+    scope: str = "engine"
+    """What a missing symbol refuses: ``engine`` (the extension: vLLM serves the loaded weights)
+    or ``drafter`` (only the speculative drafter's following; the policy follows)."""
 
     @property
     def module(self) -> str:
@@ -185,27 +188,27 @@ SURFACE: tuple[Symbol, ...] = (
     # ---- the speculative drafter (drafter_url; server/vllm/worker.py drafter_source)
     Symbol("vllm.config:VllmConfig.speculative_config", "read",
            "whether the engine runs a draft model, and its checkpoint",
-           "the drafter does not follow (refused on its own; the policy follows)", attr=True),
+           "the drafter does not follow (refused on its own; the policy follows)", attr=True, scope="drafter"),
     Symbol("vllm.config.speculative:SpeculativeConfig.draft_model_config", "read",
-           "the same", "the same", attr=True),
+           "the same", "the same", attr=True, scope="drafter"),
     Symbol(f"{_RUNNER}.drafter", "read", "the proposer holding the draft model",
-           "the same", attr=True),
+           "the same", attr=True, scope="drafter"),
     Symbol("vllm.v1.spec_decode.llm_base_proposer:SpecDecodeBaseProposer.model", "read",
-           "the draft model's parameters, written in place", "the same", attr=True),
+           "the draft model's parameters, written in place", "the same", attr=True, scope="drafter"),
     Symbol("vllm.model_executor.layers.linear:UnquantizedLinearMethod.apply", "called",
            "the drafter's proof forward: each linear layer through the kernel serving calls",
-           "the drafter's proof fails (it does not follow)", params=("layer", "x", "bias")),
+           "the drafter's proof fails (it does not follow)", params=("layer", "x", "bias"), scope="drafter"),
     Symbol("vllm.model_executor.layers.linear:ColumnParallelLinear.input_size_per_partition",
-           "read", "the same", "the same", attr=True),
+           "read", "the same", "the same", attr=True, scope="drafter"),
     Symbol("vllm.model_executor.layers.linear:RowParallelLinear.input_size_per_partition",
-           "read", "the same", "the same", attr=True),
+           "read", "the same", "the same", attr=True, scope="drafter"),
     Symbol("vllm.model_executor.layers.vocab_parallel_embedding:"
            "UnquantizedEmbeddingMethod.embedding", "called",
            "the drafter's proof forward: the token embedding", "the same",
-           params=("layer", "input_")),
+           params=("layer", "input_"), scope="drafter"),
     Symbol("vllm.model_executor.layers.vocab_parallel_embedding:"
            "VocabParallelEmbedding.num_embeddings_per_partition", "read", "the same", "the same",
-           attr=True),
+           attr=True, scope="drafter"),
     # ---- worker side (worker processes of an engine naming the extension)
     Symbol("vllm.v1.executor.multiproc_executor:WorkerProc._execute_worker_rpc", "patched",
            "installed by deltasync_start, only in this engine's workers: the coordinator's "
@@ -575,17 +578,19 @@ _installed: list[str] | None = None
 """:func:`cached_problems` of this process, before :data:`BREAK_ENV`."""
 
 
-def cached_problems() -> list[str]:
-    """:func:`problems` for the installed vLLM, the ``ast`` pass (about 0.5 s) done once per
-    vLLM installation and table: kept in ``$VLLM_CACHE_ROOT/deltasync/`` (or ``~/.cache/vllm``),
-    keyed by the vLLM version, its files' sizes and times, and the table; and once per process.
-    :data:`BREAK_ENV` applies."""
+def cached_problems(scope: str = "engine") -> list[str]:
+    """:func:`problems` of the symbols of ``scope`` (:attr:`Symbol.scope`) for the installed
+    vLLM, the ``ast`` pass (about 0.5 s) done once per vLLM installation and table: kept in
+    ``$VLLM_CACHE_ROOT/deltasync/`` (or ``~/.cache/vllm``), keyed by the vLLM version, its
+    files' sizes and times, and the table; and once per process. :data:`BREAK_ENV` applies."""
     global _installed
+    names = {s.name for s in SURFACE if s.scope == scope}
     broken = _broken(list(SURFACE))
-    lines = [f"{s.name}: made to fail by {BREAK_ENV}" for s in SURFACE if s.name in broken]
+    lines = [f"{s.name}: made to fail by {BREAK_ENV}" for s in SURFACE
+             if s.name in broken and s.name in names]
     if _installed is None:
         _installed = _file_cached(lambda: problems(check(breaks=False)))
-    return lines + _installed
+    return lines + [line for line in _installed if line.partition(": ")[0] in names]
 
 
 def _file_cached(compute: Callable[[], list[str]]) -> list[str]:
