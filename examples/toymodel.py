@@ -174,6 +174,42 @@ def build_model(
     return out
 
 
+def build_eagle_head(out_dir: str | Path, target_dir: str | Path, *, seed: int = 0) -> Path:
+    """An EAGLE-1 draft head for the Llama checkpoint ``target_dir`` (vLLM's
+    ``speculative_config={"method": "eagle", "model": out_dir, ...}``): one decoder layer and
+    ``fc`` (hidden x 2 hidden), random; no embedding, norm or lm_head (vLLM shares the
+    target's), and no layer-0 ``input_layernorm`` (EAGLE-1 has none). Returns ``out_dir``."""
+    from safetensors.torch import save_file
+
+    config = json.loads((Path(target_dir) / "config.json").read_text())
+    hidden, inter = config["hidden_size"], config["intermediate_size"]
+    head_dim = hidden // config["num_attention_heads"]
+    kv = config["num_key_value_heads"] * head_dim
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(
+        {**config, "num_hidden_layers": 1, "architectures": ["LlamaForCausalLM"]}, indent=2))
+    gen = torch.Generator().manual_seed(seed)
+
+    def normal(*shape: int) -> torch.Tensor:
+        return (torch.randn(*shape, generator=gen) * 0.02).to(torch.bfloat16)
+
+    tensors = {
+        "fc.weight": normal(hidden, 2 * hidden),
+        "layers.0.self_attn.q_proj.weight": normal(hidden, hidden),
+        "layers.0.self_attn.k_proj.weight": normal(kv, hidden),
+        "layers.0.self_attn.v_proj.weight": normal(kv, hidden),
+        "layers.0.self_attn.o_proj.weight": normal(hidden, hidden),
+        "layers.0.mlp.gate_proj.weight": normal(inter, hidden),
+        "layers.0.mlp.up_proj.weight": normal(inter, hidden),
+        "layers.0.mlp.down_proj.weight": normal(hidden, inter),
+        "layers.0.post_attention_layernorm.weight":
+            (1 + torch.randn(hidden, generator=gen) * 0.1).to(torch.bfloat16),
+    }
+    save_file(tensors, str(out / "model.safetensors"))
+    return out
+
+
 def load_hf_model(path: str | Path, dtype: torch.dtype = torch.bfloat16) -> torch.nn.Module:
     """Load a checkpoint directory written by :func:`build_model` (or any HF causal LM)."""
     from transformers import AutoModelForCausalLM

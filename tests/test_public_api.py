@@ -312,6 +312,7 @@ def test_old_module_paths_warn_and_resolve(old: str, new: str) -> None:
 SAMPLES: dict[str, tuple[str, Any]] = {
     "url": ("s3://key:secret@bucket/prefix", "s3://key:secret@bucket/prefix"),
     "drafter_url": ("file:///tmp/draft-bucket", "file:///tmp/draft-bucket"),
+    "drafter_prefix": ("eagle.", "eagle."),
     "poll_interval_s": ("0.5", 0.5),
     "download_concurrency": ("3", 3),
     "max_staged_bytes": ("1048576", 1 << 20),
@@ -378,9 +379,29 @@ def test_each_option_parses_from_env_and_additional_config(name: str) -> None:
 def test_all_options_at_once_and_secrets_hidden() -> None:
     from vllm_deltasync.config import SyncConfig
 
-    env = {f"VLLM_DELTASYNC_{n.upper()}": raw for n, (raw, _) in SAMPLES.items()}
+    together = {n: v for n, v in SAMPLES.items() if n != "drafter_prefix"}  # excludes drafter_url
+    env = {f"VLLM_DELTASYNC_{n.upper()}": raw for n, (raw, _) in together.items()}
     cfg = SyncConfig.from_sources({}, env)
-    for name, (_, expected) in SAMPLES.items():
+    for name, (_, expected) in together.items():
         assert getattr(cfg, name) == expected, name
     assert "secret" not in repr(cfg) and "addressing_style" not in repr(cfg)
     assert cfg.redacted_url() == "s3://bucket/prefix"
+
+
+def test_the_drafters_two_sources_exclude_each_other() -> None:
+    from vllm_deltasync.config import SyncConfig
+    from vllm_deltasync.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="drafter_url and drafter_prefix are both set"):
+        SyncConfig(url="file:///p", drafter_url="file:///d", drafter_prefix="eagle.")
+    for bad in (" eagle.", ".", "eagle. "):
+        with pytest.raises(ConfigError, match="drafter_prefix"):
+            SyncConfig(url="file:///p", drafter_prefix=bad)
+    own = SyncConfig(url="file:///p", drafter_url="file:///d", loaded_step=3).for_drafter()
+    assert own.url == "file:///d" and own.loaded_step is None and not own.drafter_url
+    shared = SyncConfig(url="file:///p", drafter_prefix="eagle.", loaded_step=3,
+                        node_cache="on").for_drafter()
+    assert shared.url == "file:///p" and shared.drafter_prefix == "eagle."
+    assert shared.node_cache == "off" and shared.loaded_step is None
+    assert not SyncConfig(url="file:///p").follows_drafter
+    assert SyncConfig(url="file:///p", drafter_prefix="mtp.").follows_drafter

@@ -44,6 +44,15 @@ class SyncConfig:
     batches; it never holds a policy switch back, and a drafter that fails keeps its last good
     weights (rejection sampling keeps the output distribution whatever the draft)."""
 
+    drafter_prefix: str = ""
+    """Speculative decoding with the draft head's tensors in the policy's own bucket (an EAGLE
+    head trained with the policy and published in the same ``publish`` call under this prefix,
+    e.g. ``eagle.fc.weight``): tensors whose names start with it are the drafter's, and the
+    name without it is the tensor's name in the draft's checkpoint
+    (``speculative_config.model``). The policy ignores them; the drafter follows the policy's
+    bucket, reading only its own tensors, and switches in the same tick as the policy. Excludes
+    ``drafter_url``."""
+
     poll_interval_s: float = 2.0
     """Seconds between two looks for a newer manifest; also how often the engine core checks
     whether all ranks have a step staged."""
@@ -149,6 +158,16 @@ class SyncConfig:
                 f"deltasync drafter_url {redact_url(self.drafter_url)!r} is not a URL; set "
                 "VLLM_DELTASYNC_DRAFTER_URL to the draft model's bucket, e.g. file:///path/draft"
             )
+        if self.drafter_url and self.drafter_prefix:
+            raise ConfigError(
+                "deltasync drafter_url and drafter_prefix are both set: the draft's tensors "
+                "come either from their own bucket (drafter_url) or from the policy's bucket "
+                "under a prefix (drafter_prefix); set one")
+        if self.drafter_prefix != self.drafter_prefix.strip() or (
+                self.drafter_prefix and not self.drafter_prefix.strip(".")):
+            raise ConfigError(
+                f"deltasync drafter_prefix {self.drafter_prefix!r} must be a name prefix such "
+                "as 'eagle.' (no surrounding spaces)")
         _positive(self, "poll_interval_s", "download_concurrency", "max_staged_bytes",
                   "max_chain", "debug_ring_size", "update_wait_s")
         if self.max_device_staged_bytes < 0:
@@ -190,8 +209,17 @@ class SyncConfig:
         """The URL without user, password or query string (safe to log)."""
         return redact_url(self.url)
 
+    @property
+    def follows_drafter(self) -> bool:
+        """A speculative drafter follows: from its own bucket, or from the policy's."""
+        return bool(self.drafter_url or self.drafter_prefix)
+
     def for_drafter(self) -> SyncConfig:
-        """The settings of the drafter's rank state: the drafter bucket, nothing loaded."""
+        """The settings of the drafter's rank state: the drafter's bucket (the policy's one
+        with ``drafter_prefix``, without the node cache: the policy's poller holds that),
+        nothing loaded."""
+        if self.drafter_prefix:
+            return dataclasses.replace(self, loaded_step=None, node_cache="off")
         return dataclasses.replace(self, url=self.drafter_url, drafter_url="", loaded_step=None)
 
     def to_dict(self) -> dict[str, Any]:

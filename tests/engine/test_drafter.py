@@ -16,6 +16,9 @@ Then the drafter's bucket breaks (its newest step's data files are corrupt at TP
 TP=2): the policy keeps following, the drafter keeps its last good weights, ``/synced`` shows
 the drafter's error without answering 503 for it (a draft changes speed, never tokens), and the
 metrics say so (``deltasync_failing{model="drafter"} 1``, its applied step unchanged).
+
+An EAGLE head (``method="eagle"``) trained beside the policy is published in the policy's own
+bucket under ``drafter_prefix`` and followed from there (issue 26, item 3).
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from typing import Any
 
 import pytest
 
-from examples.toymodel import build_model
+from examples.toymodel import build_eagle_head, build_model
 from vllm_deltasync import DeltaPublisher
 
 from .conftest import (
@@ -52,14 +55,15 @@ PROMPTS = ["the policy moved a step", "river mountain city house garden window"]
 STEPS = 2
 
 
-def _llm(policy: Path, draft: Path, *, extension: bool, tp: int = 1) -> Any:
+def _llm(policy: Path, draft: Path, *, extension: bool, tp: int = 1,
+         method: str = "draft_model") -> Any:
     from vllm import LLM
 
     kw: dict[str, Any] = {"worker_extension_cls": EXTENSION} if extension else {}
     return LLM(model=str(policy), enforce_eager=True, max_model_len=512, dtype="bfloat16",
                tensor_parallel_size=tp,
                seed=0, max_num_seqs=4, disable_log_stats=False,
-               speculative_config={"method": "draft_model", "model": str(draft),
+               speculative_config={"method": method, "model": str(draft),
                                    "num_speculative_tokens": SPEC_TOKENS}, **kw)
 
 
@@ -77,9 +81,9 @@ from pathlib import Path
 from tests.engine.test_drafter import _greedy, _llm
 from tests.engine.conftest import close_llm
 out = {}
-tp = int(sys.argv[2])
+tp, method = int(sys.argv[2]), sys.argv[3]
 for policy, draft in json.loads(sys.argv[1]):
-    llm = _llm(Path(policy), Path(draft), extension=False, tp=tp)
+    llm = _llm(Path(policy), Path(draft), extension=False, tp=tp, method=method)
     try:
         out[policy] = _greedy(llm)
     finally:
@@ -88,14 +92,15 @@ print("FRESH " + json.dumps(out))
 """
 
 
-def _fresh(tmp: Path, pairs: list[tuple[Path, Path]], tp: int) -> dict[str, list[list[int]]]:
+def _fresh(tmp: Path, pairs: list[tuple[Path, Path]], tp: int,
+           method: str = "draft_model") -> dict[str, list[list[int]]]:
     """Greedy tokens of fresh stock engines (no extension, same speculative configuration),
     one per (policy, draft) checkpoint pair, in a child process."""
     env = {"VLLM_CACHE_ROOT": str(tmp / "fresh-cache")}
     if tp == 2:
         env["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"
     proc = run_engine_child(tmp, FRESH, json.dumps([[str(p), str(d)] for p, d in pairs]),
-                            str(tp), env=env, timeout=300,
+                            str(tp), method, env=env, timeout=300,
                             hang="the fresh speculative engine hung")
     [line] = [x for x in proc.stdout.splitlines() if x.startswith("FRESH ")]
     return json.loads(line[len("FRESH "):])
@@ -219,4 +224,78 @@ def test_policy_and_drafter_follow_their_buckets(tmp_path: Path, tp: int) -> Non
         finally:
             close_llm(llm)
     fresh = _fresh(tmp_path, [ckpts[-1]], tp)
+    assert served == fresh[str(ckpts[-1][0])]
+
+
+def _nudge(tensors: dict[str, Any], seed: int) -> None:
+    """A training-like step on the EAGLE head: ~2% of each tensor's elements move by a few
+    bf16 ulps (in place). The head is trained against the target's hidden states, which this
+    test does not reproduce; what it checks is that the drafter follows whatever is published."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    for t in tensors.values():
+        bits = t.view(torch.int16).reshape(-1)
+        mask = torch.rand(bits.numel(), generator=gen) < 0.02
+        bits[mask] += torch.randint(1, 4, (int(mask.sum()),), generator=gen, dtype=torch.int16)
+
+
+@requires_vllm
+@pytest.mark.engine
+def test_an_eagle_head_in_the_policy_bucket_follows(tmp_path: Path) -> None:
+    """``method="eagle"`` with the head trained beside the policy and published in the same
+    ``publish`` call, under ``drafter_prefix`` (``eagle.fc.weight``...). The head (``fc``, one
+    decoder layer; vLLM shares the policy's embedding and lm_head modules with it) follows the
+    policy's bucket: its map covers the head's own tensors (the shared modules stay the
+    policy's), its proof's forward sees every class it writes (``fc`` is a replicated linear),
+    its digests equal each published head, the policy's equal the policy's checkpoint, and
+    greedy tokens equal a fresh engine with the same head."""
+    from safetensors.torch import load_file, save_file
+
+    policy_dir = build_model(tmp_path / "policy", "llama", seed=4)
+    head_dir = build_eagle_head(tmp_path / "head", policy_dir, seed=4)
+    policy = Trainer(policy_dir, lr=2e-3, seed=1)
+    head = load_file(str(head_dir / "model.safetensors"))
+    url = f"file://{tmp_path}/bucket"
+    ckpts: list[tuple[Path, Path]] = []
+    with DeltaPublisher(url, anchor_every=10) as pub, \
+            engine_env(tmp_path, 1, url=url, drafter_prefix="eagle.", poll_interval_s=0.1,
+                       metrics_port=0):
+        pub.publish(0, [*policy.named_tensors(), *((f"eagle.{n}", t) for n, t in head.items())])
+        pub.flush()
+        llm = _llm(policy_dir, head_dir, extension=True, method="eagle")
+        try:
+            [status] = llm.collective_rpc("deltasync_status")
+            assert status["refused"] is None and status["drafter"]["refused"] is None, status
+            proof = status["drafter"]["proof"]["classes"]
+            assert "model.fc.weight" in proof, proof
+            assert all(c["write_check"] == "changed outputs" for c in proof.values()
+                       if c["informative"]), proof
+            [live] = llm.collective_rpc("deltasync_weight_digests", kwargs={"model": "drafter"})
+            assert sorted(live) == sorted(head), live  # the head's own tensors, nothing shared
+            for step in range(STEPS + 1):
+                if step:
+                    policy.step()
+                    _nudge(head, seed=step)
+                    pub.publish(step, [*policy.named_tensors(),
+                                       *((f"eagle.{n}", t) for n, t in head.items())])
+                    pub.flush()
+                step_head = tmp_path / f"h{step}"
+                step_head.mkdir()
+                (step_head / "config.json").write_text((head_dir / "config.json").read_text())
+                save_file(dict(head), str(step_head / "model.safetensors"))
+                ckpts.append((policy.save(tmp_path / f"p{step}"), step_head))
+                _wait_drafter(llm, step)
+                wait_applied(llm, step)
+                assert _drafter_digests_equal(llm, step_head), step
+                # the shared embedding and lm_head hold the policy's step, nothing else
+                assert llm.collective_rpc("deltasync_weight_digests") == llm.collective_rpc(
+                    "deltasync_checkpoint_digests", args=(str(ckpts[-1][0]),)), step
+                served = _greedy(llm)
+            assert _spec_counters(llm).get("vllm:spec_decode_num_draft_tokens", 0) > 0
+            switched = engine_status(llm)["drafter"]["switches"]
+            assert [s["step"] for s in switched] == list(range(STEPS + 1)), switched
+        finally:
+            close_llm(llm)
+    fresh = _fresh(tmp_path, [ckpts[-1]], 1, method="eagle")
     assert served == fresh[str(ckpts[-1][0])]

@@ -11,13 +11,13 @@ AdamW bf16 steps (anchors at 5 and 10). After every step:
 * the engine serves the same prompts again (so every later step finds the earlier steps'
   blocks in the prefix cache).
 
-At the reference steps (:data:`REFERENCE_STEPS`: the first delta, the first delta after an
-anchor, the last step) greedy tokens and prompt logprobs equal those of a fresh stock engine
+At the reference steps (:data:`REFERENCE_STEPS`: the first delta, and the last step, the first
+delta after an anchor) greedy tokens and prompt logprobs equal those of a fresh stock engine
 of the same TP started from the trainer's checkpoint of that step (tests/engine/fresh_engine.py:
 a new engine per checkpoint, no extension, so the CPU build prepacks its weights as for any
 user). Stale prefix-cache blocks would show there: the prompts were served at every earlier
 step. Bit-exact digests at every step plus fresh engines at chosen steps keep the module's
-cost in fresh-engine starts at 3 per model and TP instead of 11 (the per-step comparison with a
+cost in fresh-engine starts at 2 per model and TP instead of 11 (the per-step comparison with a
 fresh engine runs on a MoE model, tests/engine/test_moe.py).
 
 Models, all built here: Llama-shaped with GQA (4 heads, 2 KV heads), Qwen2-shaped with q/k/v
@@ -60,9 +60,11 @@ from .conftest import (
 )
 
 STEPS = 11  # published after the initial anchor; anchors at 5 and 10 (anchor_every=5)
-REFERENCE_STEPS = (1, 6, STEPS)
-"""Steps compared with a fresh engine: the first delta, the first delta on top of an anchor
-(5), and the last (a delta after the anchor at 10)."""
+REFERENCE_STEPS = (1, STEPS)
+"""Steps compared with a fresh engine: the first delta, and the last (the first delta on top of
+the anchor at 10). Step 6, the first delta on top of the anchor at 5, was compared too until the
+suite needed the time: it checks what step 11 checks, and its digests are compared bit for bit
+like every step's."""
 
 MODELS: dict[str, dict[str, Any]] = {
     "llama-gqa": {"family": "llama", "num_kv_heads": 2},

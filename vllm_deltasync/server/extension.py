@@ -68,7 +68,7 @@ class DeltaSyncExtension:
             if drafter is None:
                 raise DeltaSyncError("no drafter follows on this worker: "
                                      + (getattr(self, "_deltasync_drafter_refused", None)
-                                        or "drafter_url is not set"))
+                                        or "neither drafter_url nor drafter_prefix is set"))
             return drafter
         if model != "policy":
             raise DeltaSyncError(f"model={model!r}: use 'policy' or 'drafter'")
@@ -83,7 +83,7 @@ class DeltaSyncExtension:
         on its own, with the reason in the status; the policy is unaffected."""
         self._deltasync_drafter = None
         self._deltasync_drafter_refused = None
-        if not config.drafter_url:
+        if not config.follows_drafter:
             return
         from vllm_deltasync.server.worker.proof import ProofFailed
 
@@ -100,15 +100,16 @@ class DeltaSyncExtension:
         source = vllm_worker.drafter_source(w)
         if source is None:
             self._deltasync_drafter_refused = (
-                "drafter_url is set but this engine runs no draft model of its own (start it "
-                "with speculative_config method 'draft_model' and the draft's checkpoint)")
+                "drafter_url or drafter_prefix is set but this engine runs no draft model of "
+                "its own (start it with speculative_config method 'draft_model' or 'eagle' "
+                "and the draft's checkpoint)")
             logger.error("deltasync rank %d: the drafter does not follow: %s", rank,
                          self._deltasync_drafter_refused)
             return
         model, path = source
         try:
             drafter = RankState(w, config.for_drafter(), model=model, model_path=path,
-                                role="drafter")
+                                role="drafter", bucket_params=_bucket_params(w, config))
             classes = drafter.prove_values()
             drafter.prove_writes(classes, vllm_worker.module_forward(model), 1)
             drafter.finish_proof()
@@ -134,7 +135,8 @@ class DeltaSyncExtension:
             if PLUGIN_REFUSALS:
                 raise DeltaSyncError(" ".join(PLUGIN_REFUSALS))
             config = SyncConfig.from_sources(vllm_worker.additional_config(w), os.environ)
-            state = RankState(w, config, layout_specs=vllm_worker.layout_source(w))
+            state = RankState(w, config, layout_specs=vllm_worker.layout_source(w),
+                              bucket_params=_bucket_params(w, config))
         except DeltaSyncError as exc:
             reason = f"{type(exc).__name__}: {exc}"
             logger.error("deltasync rank %d refuses to follow: %s", rank, reason)
@@ -373,6 +375,20 @@ def _apply_rpc_failpoint(ext: Any, rank: int, step: int) -> None:
             ext._deltasync_writing = step
         raise RuntimeError(f"failpoint {FAIL_APPLY_RPC_ENV}: rank {rank}'s deltasync_apply of "
                            f"step {step} raises out of the RPC")
+
+
+def _bucket_params(worker: Any, config: SyncConfig) -> dict[str, tuple[tuple[int, ...], str]] | None:
+    """With ``drafter_prefix``: the parameter set of the policy's bucket (the policy's
+    checkpoint and the draft's, its names under the prefix), or None when this engine runs no
+    draft model to read the draft's from. Without: None (each state checks its own set)."""
+    if not config.drafter_prefix:
+        return None
+    source = vllm_worker.drafter_source(worker)
+    if source is None:
+        return None
+    whole = dict(checkpoint_params(str(worker.vllm_config.model_config.model)))
+    whole.update((config.drafter_prefix + n, v) for n, v in checkpoint_params(source[1]).items())
+    return whole
 
 
 def _apply_drafter(state: RankState, step: int, identity: str | None) -> ApplyResult:

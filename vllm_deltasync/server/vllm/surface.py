@@ -202,6 +202,9 @@ SURFACE: tuple[Symbol, ...] = (
            "read", "the same", "the same", attr=True, scope="drafter"),
     Symbol("vllm.model_executor.layers.linear:RowParallelLinear.input_size_per_partition",
            "read", "the same", "the same", attr=True, scope="drafter"),
+    Symbol("vllm.model_executor.layers.linear:ReplicatedLinear.input_size", "read",
+           "the same, for a replicated linear (EAGLE's fc)", "the same", attr=True,
+           scope="drafter"),
     Symbol("vllm.model_executor.layers.vocab_parallel_embedding:"
            "UnquantizedEmbeddingMethod.embedding", "called",
            "the drafter's proof forward: the token embedding", "the same",

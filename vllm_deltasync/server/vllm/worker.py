@@ -165,8 +165,10 @@ def probe_forward(worker: Any) -> Any:
 
 def drafter_source(worker: Any) -> tuple[torch.nn.Module, str] | None:
     """The speculative draft model this worker runs and its checkpoint directory
-    (``speculative_config`` with a separate draft model: ``method="draft_model"``), or None
-    (no speculative decoding, or a method without draft weights of its own, such as n-gram)."""
+    (``speculative_config`` with draft weights of its own: ``method="draft_model"``, or
+    ``"eagle"``, whose head shares the policy's embedding and lm_head modules: those are not in
+    the head's checkpoint, so the drafter's map never reaches them), or None (no speculative
+    decoding, or a method without draft weights, such as n-gram)."""
     spec = getattr(worker.vllm_config, "speculative_config", None)
     draft_config = getattr(spec, "draft_model_config", None)
     model = getattr(getattr(worker.model_runner, "drafter", None), "model", None)
@@ -190,7 +192,10 @@ def module_forward(model: torch.nn.Module, *, n: int = 8) -> Callable[[], torch.
             continue
         weight = own[0]
         qm = getattr(module, "quant_method", None)
+        # a replicated linear (EAGLE's fc) has no per-partition size: its input is whole
         in_size = getattr(module, "input_size_per_partition", None)
+        if in_size is None and any(c.__name__ == "ReplicatedLinear" for c in type(module).__mro__):
+            in_size = getattr(module, "input_size", None)
         if qm is not None and hasattr(qm, "embedding") and hasattr(module, "num_embeddings_per_partition"):
             rows = int(module.num_embeddings_per_partition)
             ids = torch.linspace(0, rows - 1, n).to(torch.int64).to(weight.device)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import logging
 import os
 import threading
@@ -74,9 +75,16 @@ class RankState:
     def __init__(self, worker: Any, config: SyncConfig, *,
                  layout_specs: Callable[[], Mapping[str, LayoutSpec]] | None = None,
                  model: torch.nn.Module | None = None, model_path: str | None = None,
-                 role: str = "policy") -> None:
+                 role: str = "policy",
+                 bucket_params: Mapping[str, tuple[tuple[int, ...], str]] | None = None) -> None:
         """``model``/``model_path``: the weights this state follows and their checkpoint (the
-        worker's model by default; the speculative drafter's for ``role="drafter"``)."""
+        worker's model by default; the speculative drafter's for ``role="drafter"``).
+
+        ``config.drafter_prefix`` (the draft's tensors in the policy's bucket, under that
+        prefix): the policy's state skips those names, the drafter's reads only them, the
+        prefix removed. ``bucket_params``: then the whole parameter set of the bucket (both
+        models, names as published), whose fingerprint the steps must carry; None: unchecked
+        (a drafter_prefix without a draft model to read it from)."""
         from vllm_deltasync.format.manifest import fingerprint
         from vllm_deltasync.server.metrics import WorkerStats
         from vllm_deltasync.server.worker.poller import Poller
@@ -114,7 +122,10 @@ class RankState:
         self.param_ids = _param_ids(self.model)
         self.param_versions = _param_versions(self.model)
         self.reloads = 0
-        self.fingerprint = fingerprint((n, s, d) for n, (s, d) in params.items())
+        prefix = config.drafter_prefix
+        whole = params if not prefix else bucket_params
+        self.fingerprint = (None if whole is None
+                            else fingerprint((n, s, d) for n, (s, d) in whole.items()))
         self.stats = WorkerStats()
         self.trace: collections.deque[tuple[int, int, int, int]] = collections.deque(
             maxlen=config.debug_ring_size
@@ -122,12 +133,24 @@ class RankState:
         self.model_steps = 0
         self.sync: SyncState[list[Piece]] = SyncState(config.loaded_step)
         names = set(self.shardmap.names)
+
+        def mine(name: str) -> bool:  # unknown names are read, and refused by the map
+            return name not in names or bool(self.shardmap.targets(name))
+
+        each: Callable[[TensorPatch], list[Piece]] = self.stage_patch
+        select: Callable[[str], bool] = mine
+        if prefix and role == "drafter":
+            cut = len(prefix)
+            select = lambda n: n.startswith(prefix) and mine(n[cut:])  # noqa: E731
+            each = lambda p: self.stage_patch(dataclasses.replace(p, name=p.name[cut:]))  # noqa: E731
+        elif prefix:
+            select = lambda n: not n.startswith(prefix) and mine(n)  # noqa: E731
         self.poller = Poller(
             config,
             self.prepare,
             node_ranks=_local_world(worker),
-            each=self.stage_patch,
-            select=lambda n: n not in names or bool(self.shardmap.targets(n)),
+            each=each,
+            select=select,
             fingerprint=self.fingerprint,
             rank=self.rank,
             stats=self.stats,

@@ -1,0 +1,107 @@
+"""``drafter_prefix``: a draft head's tensors travel in the policy's own bucket (issue 26).
+
+Two real ``RankState``s (vLLM's own Llama module each, real shard maps and pollers) follow one
+file:// bucket into which a trainer publishes a policy and, under ``head.``, a second model of
+the same shapes trained apart (as an EAGLE head is trained beside the policy). The policy's
+state reads only the unprefixed tensors, the drafter's only the prefixed ones, the prefix
+removed; both check the whole bucket's fingerprint; each ends bit for bit on its own weights.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+from vllm_deltasync import DeltaPublisher
+from vllm_deltasync.config import SyncConfig
+from vllm_deltasync.server.worker.apply import checkpoint_digest, tensor_digest
+from vllm_deltasync.server.worker.rank import RankState, checkpoint_params
+
+from .conftest import TPWorld, live_checkpoint
+
+
+def _worker(model: torch.nn.Module, ckpt: Path) -> Any:
+    return SimpleNamespace(rank=0, model_runner=SimpleNamespace(model=model),
+                           vllm_config=SimpleNamespace(model_config=SimpleNamespace(model=str(ckpt))))
+
+
+def _train(state: dict[str, torch.Tensor], seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    for t in state.values():
+        bits = t.view(torch.int16).reshape(-1)
+        mask = torch.rand(bits.numel(), generator=gen) < 0.02
+        bits[mask] += 1
+
+
+def _apply_ready(rank: RankState, step: int) -> None:
+    deadline = time.monotonic() + 30
+    while step not in rank.sync.ready_steps():
+        assert rank.status()["last_error"] is None, rank.status()["last_error"]
+        assert time.monotonic() < deadline, f"step {step} never staged: {rank.status()}"
+        time.sleep(0.01)
+    rank.apply(step)
+    assert rank.commit(step)
+
+
+def test_policy_and_head_split_one_bucket(tp_world: TPWorld, tmp_path: Path) -> None:
+    (tmp_path / "p").mkdir()
+    (tmp_path / "d").mkdir()
+    p_ckpt, p_live, policy = live_checkpoint(tp_world, tmp_path / "p", "llama_gqa", seed=21)
+    d_ckpt, d_live, head = live_checkpoint(tp_world, tmp_path / "d", "llama_gqa", seed=22)
+    url = f"file://{tmp_path}/bucket"
+    config = SyncConfig(url=url, poll_interval_s=0.01, drafter_prefix="head.")
+    whole = {**checkpoint_params(str(p_ckpt)),
+             **{f"head.{n}": v for n, v in checkpoint_params(str(d_ckpt)).items()}}
+    with DeltaPublisher(url, anchor_every=100) as pub:
+        pub.publish(0, [*policy.items(), *((f"head.{n}", t) for n, t in head.items())])
+        for step in (1, 2):
+            _train(policy, seed=step)
+            _train(head, seed=100 + step)
+            pub.publish(step, [*policy.items(), *((f"head.{n}", t) for n, t in head.items())])
+    ranks = [RankState(_worker(p_live, p_ckpt), config, bucket_params=whole),
+             RankState(_worker(d_live, p_ckpt), config.for_drafter(), model=d_live,
+                       model_path=str(d_ckpt), role="drafter", bucket_params=whole)]
+    assert ranks[0].fingerprint == ranks[1].fingerprint is not None
+    try:
+        for rank in ranks:
+            rank.follow()
+        for rank in ranks:
+            _apply_ready(rank, 2)
+        for rank, want in zip(ranks, (policy, head), strict=True):
+            for name, tensor in want.items():
+                if name in rank.shardmap.ignored or name in rank.shardmap.covered_by:
+                    continue
+                assert tensor_digest(rank.shardmap, name) == checkpoint_digest(
+                    rank.shardmap, name, tensor), (rank.role, name)
+        # each downloaded only its own tensors (the two models are the same size)
+        got = [r.status()["counters"]["downloaded_bytes"] for r in ranks]
+        assert all(0.8 < g["delta"] / got[0]["delta"] < 1.25 for g in got), got
+    finally:
+        for rank in ranks:
+            rank.close()
+
+
+def test_a_fingerprint_without_the_head_is_refused(tp_world: TPWorld, tmp_path: Path) -> None:
+    """The policy expects the bucket's whole parameter set: a bucket without the head (the
+    trainer forgot it) is another parameter set, and its steps are refused, not half-applied."""
+    p_ckpt, p_live, policy = live_checkpoint(tp_world, tmp_path, "llama_gqa", seed=23)
+    url = f"file://{tmp_path}/bucket"
+    whole = {**checkpoint_params(str(p_ckpt)), "head.fc.weight": ((4, 4), "BF16")}
+    with DeltaPublisher(url, anchor_every=100) as pub:
+        pub.publish(0, policy.items())
+    rank = RankState(_worker(p_live, p_ckpt), SyncConfig(url=url, poll_interval_s=0.01,
+                                                         drafter_prefix="head."),
+                     bucket_params=whole)
+    try:
+        rank.follow()
+        deadline = time.monotonic() + 30
+        while "fingerprint" not in str(rank.status().get("last_error")):
+            assert time.monotonic() < deadline, rank.status()
+            time.sleep(0.01)
+        assert rank.sync.ready_steps() == []
+    finally:
+        rank.close()
