@@ -17,8 +17,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import random
+import socket
 import uuid
 from collections.abc import Awaitable, Callable, Iterator
+from pathlib import Path
 from typing import Any, TypeVar
 
 import aiohttp
@@ -29,6 +32,37 @@ from vllm_deltasync.stores.hf import HfStore
 from vllm_deltasync.stores.s3 import S3Store
 
 from .stores import hubserver
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+_EPHEMERAL_LOW = _ephemeral_low()
+
+
+def free_port() -> int:
+    """A loopback port free right now, picked below the kernel's ephemeral range. vLLM and
+    every client bind their own ports from that range (port 0), so one of them can take a port
+    picked there between the pick and our server's bind; a metrics port once was taken so in
+    CI ("Address already in use"). Falls back to an ephemeral port if none is free below."""
+    rng = random.Random()
+    top = max(_EPHEMERAL_LOW, 20100)
+    for _ in range(100):
+        port = rng.randrange(20000, top)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
 
 T = TypeVar("T")
 

@@ -19,7 +19,6 @@ import gc
 import hashlib
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -34,6 +33,8 @@ import pytest
 import torch
 
 from examples.toymodel import load_hf_model
+
+from ..conftest import free_port  # noqa: F401 - the tests of this folder import it from here
 
 EXTENSION = "vllm_deltasync.DeltaSyncExtension"
 REPO = Path(__file__).resolve().parents[2]
@@ -267,13 +268,6 @@ def generate(llm: Any, prompts: list[str]) -> list[dict[str, Any]]:
 # -- the OpenAI-compatible API server, as a user starts it --------------------------------------
 
 
-def free_port() -> int:
-    """A loopback port free right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def get_text(url: str) -> tuple[int, str]:
     """(HTTP status, body text) of a GET, error statuses included (/synced, /metrics)."""
     try:
@@ -322,13 +316,10 @@ def api_server(
     """Start vLLM's API server on a free loopback port with ``--worker-extension-cls`` and
     ``env`` (the ``VLLM_DELTASYNC_*`` settings) on top of this process's environment, plus
     ``extra_args``; yield once ``/health`` answers; terminate it on exit."""
-    import socket
     import tempfile
     import urllib.request
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = int(s.getsockname()[1])
+    port = free_port()
     rpc = tempfile.mkdtemp(prefix="vrpc")  # unix socket paths must stay under 107 bytes
     full_env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1",
                 "VLLM_CACHE_ROOT": str(tmp / "vllm-cache"), "VLLM_RPC_BASE_PATH": rpc, **env}

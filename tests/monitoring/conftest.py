@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import socket
 import subprocess
 import time
 import urllib.parse
@@ -16,6 +15,8 @@ from typing import Any
 import pytest
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
+
+from ..conftest import free_port  # noqa: F401 - the tests of this folder import it from here
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
@@ -49,10 +50,6 @@ def parse_exposition(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]],
     return out
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def need_binary(name: str) -> str:
