@@ -23,7 +23,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
@@ -77,7 +77,9 @@ class DeltaSyncExtension:
             raise DeltaSyncError("deltasync is not started on this worker (deltasync_start)")
         return state
 
-    def _deltasync_start_drafter(self, config: SyncConfig) -> None:
+    def _deltasync_start_drafter(
+            self, config: SyncConfig,
+            bucket: Mapping[str, tuple[tuple[int, ...], str]] | None) -> None:
         """Build and prove the drafter's state (check 1, then check 2 with a forward through
         the drafter's own modules: no collective). A drafter that cannot follow is refused
         on its own, with the reason in the status; the policy is unaffected."""
@@ -109,7 +111,7 @@ class DeltaSyncExtension:
         model, path = source
         try:
             drafter = RankState(w, config.for_drafter(), model=model, model_path=path,
-                                role="drafter", bucket_params=_bucket_params(w, config))
+                                role="drafter", bucket_params=bucket)
             classes = drafter.prove_values()
             drafter.prove_writes(classes, vllm_worker.module_forward(model), 1)
             drafter.finish_proof()
@@ -135,15 +137,16 @@ class DeltaSyncExtension:
             if PLUGIN_REFUSALS:
                 raise DeltaSyncError(" ".join(PLUGIN_REFUSALS))
             config = SyncConfig.from_sources(vllm_worker.additional_config(w), os.environ)
+            bucket = _bucket_params(w, config)
             state = RankState(w, config, layout_specs=vllm_worker.layout_source(w),
-                              bucket_params=_bucket_params(w, config))
+                              bucket_params=bucket)
         except DeltaSyncError as exc:
             reason = f"{type(exc).__name__}: {exc}"
             logger.error("deltasync rank %d refuses to follow: %s", rank, reason)
             return {"rank": rank, "refused": reason, "last_error": reason, "applied_step": None,
                     "ready_steps": [], "newest_step": None}
         self._deltasync = state
-        self._deltasync_start_drafter(config)
+        self._deltasync_start_drafter(config, bucket)
         vllm_worker.quiet_status_reads()
         vllm_worker.wrap_worker(w, state, also_close=self._deltasync_close_drafter)
         vllm_worker.watch_weight_writes(w, state)
@@ -242,22 +245,14 @@ class DeltaSyncExtension:
         of ``RankState.apply``) leaves the weights unknown: the rank resets and answers
         ``reverted`` False. The engine core does not rely on any of this: if the broadcast
         itself fails it asks every rank to revert (``deltasync_revert``)."""
-        from vllm_deltasync.server.worker.rank import ApplyFailed
 
         state = self._deltasync_state(model)
         if model != "policy":  # the drafter: no failpoint, no half-written policy marker
-            return _apply_drafter(state, step, identity)
+            return _apply_answered(state, step, identity)
         _apply_rpc_failpoint(self, state.rank, step)  # test-only, raises out of the RPC
         self._deltasync_writing = step
         try:
-            out = ApplyResult(ok=True, rank=state.rank, **state.apply(step, identity=identity))
-        except Exception as exc:  # noqa: BLE001 - reported to the coordinator, never raised
-            error = f"{type(exc).__name__}: {exc}"
-            logger.exception("deltasync apply step=%d rank=%d failed", step, state.rank)
-            reverted = isinstance(exc, ApplyFailed) and exc.reverted
-            if not reverted:
-                state.reset(error)
-            out = ApplyResult(ok=False, rank=state.rank, error=error, reverted=reverted)
+            out = _apply_answered(state, step, identity)
         except BaseException as exc:
             error = f"{type(exc).__name__}: {exc}"
             with contextlib.suppress(Exception):
@@ -391,17 +386,17 @@ def _bucket_params(worker: Any, config: SyncConfig) -> dict[str, tuple[tuple[int
     return whole
 
 
-def _apply_drafter(state: RankState, step: int, identity: str | None) -> ApplyResult:
-    """The drafter's apply (``deltasync_apply(model="drafter")``): as the policy's, answered,
-    never raised; a failure that could not be put back resets the drafter (it then waits for
-    an anchor)."""
+def _apply_answered(state: RankState, step: int, identity: str | None) -> ApplyResult:
+    """``state.apply`` answered, an ``Exception`` included (policy and drafter alike): a
+    failure that could not be put back resets the state (it then waits for an anchor)."""
     from vllm_deltasync.server.worker.rank import ApplyFailed
 
     try:
         return ApplyResult(ok=True, rank=state.rank, **state.apply(step, identity=identity))
     except Exception as exc:  # noqa: BLE001 - reported to the coordinator, never raised
         error = f"{type(exc).__name__}: {exc}"
-        logger.exception("deltasync drafter apply step=%d rank=%d failed", step, state.rank)
+        logger.exception("deltasync %s apply step=%d rank=%d failed", state.role, step,
+                         state.rank)
         reverted = isinstance(exc, ApplyFailed) and exc.reverted
         if not reverted:
             state.reset(error)
