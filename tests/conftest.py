@@ -44,24 +44,29 @@ def _ephemeral_low() -> int:
 _EPHEMERAL_LOW = _ephemeral_low()
 
 
-def free_port() -> int:
-    """A loopback port free right now, picked below the kernel's ephemeral range. vLLM and
-    every client bind their own ports from that range (port 0), so one of them can take a port
-    picked there between the pick and our server's bind; a metrics port once was taken so in
-    CI ("Address already in use"). Falls back to an ephemeral port if none is free below."""
+def free_port(n: int = 1) -> int:
+    """A loopback port p with p..p+n-1 free right now, picked below the kernel's ephemeral
+    range. vLLM and every client bind their own ports from that range (port 0), so one of them
+    can take a port picked there between the pick and our server's bind; a metrics port once was
+    taken so in CI ("Address already in use"), and a data-parallel metrics range once more.
+    Falls back to the ephemeral range if no run of n ports is free below."""
     rng = random.Random()
-    top = max(_EPHEMERAL_LOW, 20100)
-    for _ in range(100):
-        port = rng.randrange(20000, top)
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    top = max(_EPHEMERAL_LOW, 20100) - n
+    for _ in range(200):
+        base = rng.randrange(20000, top) if top > 20000 else rng.randrange(1024, 65536 - n)
+        socks: list[socket.socket] = []
+        try:
+            for i in range(n):
+                sk = socket.socket()
+                socks.append(sk)
+                sk.bind(("127.0.0.1", base + i))
+            return base
+        except OSError:
+            continue
+        finally:
+            for sk in socks:
+                sk.close()
+    raise RuntimeError(f"no run of {n} free loopback ports")
 
 
 T = TypeVar("T")

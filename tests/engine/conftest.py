@@ -305,7 +305,11 @@ class ApiServer:
     log: Path
 
     def log_tail(self) -> str:
-        return self.log.read_text(errors="replace")[-4000:]
+        """The log's last 4000 characters, after every deltasync line of the whole log (vLLM's
+        route listing alone fills the tail, and the reason a test failed is often earlier)."""
+        text = self.log.read_text(errors="replace")
+        ours = [ln for ln in text.splitlines() if "deltasync" in ln.lower()][-40:]
+        return "deltasync lines:\n" + "\n".join(ours) + "\n--- log tail:\n" + text[-4000:]
 
 
 @contextlib.contextmanager

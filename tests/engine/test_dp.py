@@ -12,7 +12,6 @@ engine at DP=2 would add minutes); the dense case runs the real API server at DP
 from __future__ import annotations
 
 import json
-import socket
 import time
 import urllib.error
 import urllib.request
@@ -26,30 +25,15 @@ from examples.toymodel import build_model
 from vllm_deltasync import DeltaPublisher
 from vllm_deltasync.config import SyncConfig
 
-from .conftest import EXTENSION, ApiServer, Trainer, api_server, get_json, requires_vllm
-
-
-def _free_ports(n: int) -> int:
-    """A port p with p..p+n-1 free right now."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = int(s.getsockname()[1])
-        if base + n >= 65536:
-            continue
-        try:
-            socks = []
-            for i in range(n):
-                sk = socket.socket()
-                socks.append(sk)
-                sk.bind(("127.0.0.1", base + i))
-            return base
-        except OSError:
-            continue
-        finally:
-            for sk in socks:
-                sk.close()
-    raise RuntimeError("no free port range")
+from .conftest import (
+    EXTENSION,
+    ApiServer,
+    Trainer,
+    api_server,
+    free_port,
+    get_json,
+    requires_vllm,
+)
 
 
 def _vllm_config(*, moe: bool, dp: int, index: int, url: str, port: int) -> Any:
@@ -95,7 +79,7 @@ def test_moe_engine_core_at_data_parallel_refuses_without_starting_a_rank(tmp_pa
     reason, and ticks do nothing."""
     from vllm_deltasync.server.vllm.engine import start_coordinator as _start_coordinator
 
-    port = _free_ports(2)
+    port = free_port(2)
     calls: list[str] = []
 
     class Engine:  # the part of vLLM's EngineCore the coordinator calls
@@ -161,7 +145,7 @@ def test_api_server_at_data_parallel_2_follows_on_every_engine(tmp_path: Path) -
     model_dir = build_model(tmp_path / "model", "qwen2", seed=8)
     trainer = Trainer(model_dir, lr=1e-5, seed=8)
     url = f"file://{tmp_path}/bucket"
-    port = _free_ports(2)
+    port = free_port(2)
     env = {"VLLM_DELTASYNC_URL": url, "VLLM_DELTASYNC_POLL_INTERVAL_S": "0.2",
            "VLLM_DELTASYNC_METRICS_PORT": str(port),
            "VLLM_DELTASYNC_METRICS_HOST": "127.0.0.1"}
