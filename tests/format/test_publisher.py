@@ -196,13 +196,15 @@ def test_retention_keeps_the_newest_chains_and_drops_orphans(bucket: str) -> Non
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_publishes_tensors_on_the_gpu(bucket: str) -> None:
+@pytest.mark.parametrize("previous_on", ["device", "host"])
+def test_publishes_tensors_on_the_gpu(bucket: str, previous_on: str) -> None:
     trainer = Trainer()
-    with DeltaPublisher(bucket, anchor_every=2) as pub:
-        for step in range(3):
+    with DeltaPublisher(bucket, anchor_every=3, previous_on=previous_on) as pub:
+        for step in range(5):
             trainer.step()
             pub.publish(step, {k: v.to("cuda") for k, v in trainer.weights.items()})
-    assert bits_equal(read_full(bucket, 2), trainer.bf16())
+            pub.flush()
+            assert bits_equal(read_full(bucket, step), trainer.bf16())
 
 
 def test_relative_codec_rebuilds_bit_for_bit(bucket: str) -> None:

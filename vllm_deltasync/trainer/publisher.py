@@ -7,9 +7,10 @@
             train_step()
             pub.publish(step, model.named_parameters())
 
-``publish`` rounds every parameter to bf16 on the host, compares its bit pattern with the
-one bf16 copy of the last published weights it keeps, and queues the changed elements
-(or, for an anchor, every element). A background thread encodes, writes the data files and
+``publish`` compares every parameter's bf16 bit pattern with the one bf16 copy of the last
+published weights it keeps, where the parameter lives (trainer/diff.py: on its accelerator, or
+in place on the host without a second copy), updates that copy at the changed elements and
+queues them (or, for an anchor, every element). A background thread encodes, writes the data files and
 then the manifest (the commit point); a bounded queue makes ``publish`` wait instead of
 growing memory when uploads fall behind. An error in the background is raised by the next
 ``publish``/``flush``/``close``; the step after it is then an anchor, so the bucket never
@@ -56,6 +57,7 @@ from vllm_deltasync.format.manifest import (
 from vllm_deltasync.format.writer import StepItem, commit_manifest, retain, write_files, write_step
 from vllm_deltasync.stores import Store, open_store
 from vllm_deltasync.trainer import sharded
+from vllm_deltasync.trainer.diff import Diff, Differ
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +76,8 @@ class _Job:
     diff_s: float = 0.0
     sharded: bool = False
     """One rank's part of a step of a sharded job (trainer/sharded.py)."""
+    lease: object = field(default_factory=object)
+    """What the diff lent this job (an anchor's host baselines), released when it is done."""
 
 
 @dataclass
@@ -115,6 +119,7 @@ class DeltaPublisher:
         writer_token: str | None = None,
         format_version: int = SCHEMA_VERSION,
         resumed_from: int | None = None,
+        previous_on: str = "device",
     ) -> None:
         """
         Args:
@@ -148,6 +153,12 @@ class DeltaPublisher:
                 anchor, at a step number after every committed one (:attr:`next_step`), and
                 servers follow identities, never applying a delta onto other weights
                 (docs/trainer.md, "Restarting a trainer").
+            previous_on: where the bf16 copy of the last published step lives and the diff
+                runs, for parameters on an accelerator: ``"device"`` (default: beside the
+                parameter, in device memory; compare and gather run there and only the changed
+                elements are copied to the host) or ``"host"`` (host memory; the parameters
+                stream through one bounded pinned buffer). CPU parameters always diff on the
+                host, in place, without a second copy (docs/trainer.md, "The diff").
         """
         _check_options(anchor_every, keep_anchors, max_file_bytes, max_pending_steps)
         if format_version not in (1, 2, 3):
@@ -173,6 +184,11 @@ class DeltaPublisher:
             raise ConfigError(f"DeltaPublisher: resumed_from={resumed_from!r} must be a training "
                               "step (an integer >= 0)")
         self.resumed_from = resumed_from
+        if previous_on not in ("device", "host"):
+            raise ConfigError(f"DeltaPublisher: previous_on={previous_on!r} must be 'device' (the "
+                              "previous step's copy beside each parameter) or 'host'")
+        self.previous_on = previous_on
+        self._differ = Differ(previous_on=previous_on)
         self._explicit_tokens = (run_id is not None, writer_token is not None)
         self._group: sharded.RankGroup | None = None
         self.run_id = run_id or secrets.token_hex(8)
@@ -187,7 +203,7 @@ class DeltaPublisher:
         self.stats = PublisherStats()
         self._loop: BackgroundLoop = default_loop()
         self._store: Store = open_store(url, **dict(store_options or {}))
-        self._last: dict[str, torch.Tensor] | None = None
+        self._published = False  # a first step was diffed (the differ holds its baselines)
         self._meta: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
         self._last_step: int | None = self._run(self._newest_step())
         self._since_anchor = 0
@@ -222,9 +238,9 @@ class DeltaPublisher:
         self._raise_background_error()
         self._check_step(step)
         started = time.perf_counter()
-        snapshot = self._snapshot(step, pairs)
-        job = self._make_job(step, snapshot)
-        self._last, self._last_step = snapshot, step
+        tensors = self._validate(step, pairs)
+        job = self._make_job(step, tensors)
+        self._last_step = step
         job.diff_s = time.perf_counter() - started
         self.stats.diff_s += job.diff_s
         self._queue.put(job)
@@ -289,7 +305,7 @@ class DeltaPublisher:
     def _publish_sharded(self, step: int, pairs: list[tuple[str, torch.Tensor]]) -> None:
         started = time.perf_counter()
         if self._group is None:
-            if self._last is not None:
+            if self._published:
                 raise PublishError(f"step {step}: this publisher published plain tensors before; "
                                    "a sharded job publishes DTensors from its first step")
             if self.format_version < 2:
@@ -327,9 +343,9 @@ class DeltaPublisher:
             local_error = exc
         self._agree(step, fp, local_error, shards)
         self._meta = meta
-        snapshot = {name: _to_host_bf16(s.local) for name, s in shards.items() if s.local is not None}
-        job = self._make_job(step, snapshot, {name: s.blocks for name, s in shards.items()})
-        self._last, self._last_step = snapshot, step
+        local = {name: s.local for name, s in shards.items() if s.local is not None}
+        job = self._make_job(step, local, {name: s.blocks for name, s in shards.items()})
+        self._last_step = step
         job.diff_s = time.perf_counter() - started
         self.stats.diff_s += job.diff_s
         self._queue.put(job)
@@ -378,7 +394,7 @@ class DeltaPublisher:
         return self._last_step
 
     # ------------------------------------------------------------------ diff (caller's thread)
-    def _snapshot(self, step: int, named_tensors: TensorSource) -> dict[str, torch.Tensor]:
+    def _validate(self, step: int, named_tensors: TensorSource) -> dict[str, torch.Tensor]:
         pairs = named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
         snapshot: dict[str, torch.Tensor] = {}
         meta: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
@@ -391,7 +407,7 @@ class DeltaPublisher:
                 )
             if name in snapshot:
                 raise PublishError(f"step {step}: tensor {name!r} is given twice")
-            snapshot[name] = _to_host_bf16(tensor)
+            snapshot[name] = tensor
             meta[name] = (tuple(tensor.shape), tensor.dtype)
         if not snapshot:
             raise PublishError(f"step {step}: no tensors given; pass model.named_parameters()")
@@ -419,33 +435,38 @@ class DeltaPublisher:
                     "must not change within a bucket"
                 )
 
-    def _make_job(self, step: int, snapshot: dict[str, torch.Tensor],
+    def _make_job(self, step: int, tensors: dict[str, torch.Tensor],
                   blocks: Mapping[str, tuple[Region, ...]] | None = None) -> _Job:
-        last = self._last
-        anchor = last is None or self._force_anchor or self._since_anchor + 1 >= self.anchor_every
+        anchor = not self._published or self._force_anchor or self._since_anchor + 1 >= self.anchor_every
+        lease = object()
         items: list[StepItem] = []
-        for name, new in snapshot.items():
-            old = None if last is None else last[name]
-            shape = self._meta[name][0]
-            if blocks is None:
-                items.append(_diff(name, shape, new, old, anchor))
-                continue
-            pos = 0  # a shard: one item per block, in the local piece's flat order
-            for region in blocks[name]:
-                part = slice(pos, pos + region.size)
-                pos += region.size
-                item = _diff(name, shape, new[part], None if old is None else old[part], anchor)
-                item.region = region
-                items.append(item)
+        try:
+            for name, tensor in tensors.items():
+                shape = self._meta[name][0]
+                if blocks is None:
+                    items.append(_item(name, shape, self._differ.diff(name, tensor, full=anchor, job=lease)))
+                    continue
+                # a shard: one item per block, in the local piece's flat order
+                sizes = [region.size for region in blocks[name]]
+                cuts = tuple(int(c) for c in np.cumsum(sizes)[:-1])
+                diff = self._differ.diff(name, tensor, full=anchor, job=lease, cuts=cuts)
+                items.extend(_block_items(name, shape, diff, blocks[name]))
+        except BaseException:
+            # some baselines may have moved to this step, which is not queued: the next step
+            # must not be a delta computed against them
+            self._force_anchor = True
+            self._differ.release(lease)
+            raise
+        self._published = True
         fp = fingerprint((name, shape, "bfloat16") for name, (shape, _) in self._meta.items())
         totals = (len(self._meta), sum(math.prod(shape) for shape, _ in self._meta.values()))
         part_of = blocks is not None
         if anchor:
             self._anchor_step, self._since_anchor, self._force_anchor = step, 0, False
-            return _Job(step, "anchor", None, step, fp, totals, items, sharded=part_of)
+            return _Job(step, "anchor", None, step, fp, totals, items, sharded=part_of, lease=lease)
         self._since_anchor += 1
         return _Job(step, "delta", self._last_step, self._anchor_step, fp, totals,
-                    [i for i in items if i.changed], sharded=part_of)
+                    [i for i in items if i.changed], sharded=part_of, lease=lease)
 
     # ------------------------------------------------------------------ upload thread
     def _work(self) -> None:
@@ -464,6 +485,9 @@ class DeltaPublisher:
                 if job is not None and job.sharded:
                     self._abort(job, f"{type(exc).__name__}: {exc}")
             finally:
+                if job is not None:
+                    job.items = []
+                    self._differ.release(job.lease)
                 self._queue.task_done()
 
     def _commit(self, job: _Job) -> None:
@@ -643,28 +667,30 @@ def _check_options(anchor_every: int, keep_anchors: int, max_file_bytes: int, pe
             raise ConfigError(f"DeltaPublisher: {name}={value!r} must be an integer >= {low}")
 
 
-def _to_host_bf16(tensor: torch.Tensor) -> torch.Tensor:
-    """A private flat bf16 CPU copy of ``tensor``."""
-    src = tensor.detach()
-    if src.device.type == "cpu" and src.dtype == torch.bfloat16:  # numpy copies without threads
-        bits = src.contiguous().view(torch.int16).numpy().reshape(-1).copy()
-        return torch.from_numpy(bits).view(torch.bfloat16)
-    return src.to(torch.bfloat16).to("cpu").contiguous().view(-1)
+def _item(name: str, shape: tuple[int, ...], diff: Diff) -> StepItem:
+    return StepItem(name, shape, diff.changed, diff.indices, diff.new, diff.old)
 
 
-def _diff(name: str, shape: tuple[int, ...], new: torch.Tensor, old: torch.Tensor | None,
-          anchor: bool) -> StepItem:
-    """Compare bit patterns (numpy: several times faster than torch on small CPUs)."""
-    if old is None:
-        return StepItem(name, shape, new.numel(), None, new, None)
-    new_bits, old_bits = new.view(torch.int16).numpy(), old.view(torch.int16).numpy()
-    changed = new_bits != old_bits
-    if anchor:
-        return StepItem(name, shape, int(np.count_nonzero(changed)), None, new, None)
-    where = np.flatnonzero(changed)
-    return StepItem(name, shape, int(where.size), torch.from_numpy(where),
-                    torch.from_numpy(new_bits[where]).view(torch.bfloat16),
-                    torch.from_numpy(old_bits[where]).view(torch.bfloat16))
+def _block_items(name: str, shape: tuple[int, ...], diff: Diff,
+                 regions: tuple[Region, ...]) -> list[StepItem]:
+    """One shard's diff (over its local piece, flat) as one item per block, in local indices."""
+    items: list[StepItem] = []
+    if not regions:  # this rank holds none of the tensor
+        return items
+    pos = 0
+    for region, count in zip(regions, diff.counts, strict=True):
+        stop = pos + region.size
+        if diff.indices is None:
+            item = StepItem(name, shape, count, None, diff.new[pos:stop], None)
+        else:
+            lo, hi = (int(i) for i in torch.searchsorted(diff.indices, torch.tensor([pos, stop])))
+            assert diff.old is not None
+            item = StepItem(name, shape, hi - lo, diff.indices[lo:hi] - pos, diff.new[lo:hi],
+                            diff.old[lo:hi])
+        item.region = region
+        items.append(item)
+        pos = stop
+    return items
 
 
 __all__ = ["DeltaPublisher", "PublisherStats"]
