@@ -4,8 +4,15 @@ For the example's Llama-shaped model (and, without ``--quick``, a larger one) it
 sparsity of each delta, bytes per step against a full bf16 checkpoint, bytes per changed
 element, and the publisher's cost per step beside the optimizer step's:
 
-* ``publish()`` is what the training loop pays (host bf16 snapshot + bit comparison);
+* ``publish()`` is what the training loop pays (the diff against the one bf16 copy of the
+  last step, updated in place; trainer/diff.py);
 * ``upload`` runs on the publisher's background thread (encode, sha256, write, manifest).
+
+A second table sets ``publish()`` and a whole step (``publish`` until its manifest is
+committed) beside the snapshot floor: one bf16 copy of the local parameters to host memory,
+what the publisher took every step before 0.5 and the least any diff against a kept copy that
+first snapshots the weights pays; measured in the same steps (interleaved). On a CUDA device
+(``--device cuda``, the GPU script) the same row runs with the parameters on the device.
 
     .venv/bin/python benchmarks/bench_publisher.py [--quick]
 """
@@ -92,6 +99,81 @@ def _measure(case: Case, workdir: Path) -> Result:
     )
 
 
+@dataclass
+class FloorResult:
+    case: Case
+    device: str
+    params: int
+    changed: float
+    floor_ms: float
+    publish_ms: float
+    whole_ms: float
+
+
+def _snapshot_floor(params: list[torch.Tensor]) -> float:
+    """Seconds for one bf16 copy of ``params`` to host memory (the old per-step snapshot)."""
+    if params[0].device.type == "cuda":
+        torch.cuda.synchronize()
+    started = time.perf_counter()
+    copies = []
+    for p in params:
+        src = p.detach()
+        if src.device.type == "cpu" and src.dtype == torch.bfloat16:
+            copies.append(src.contiguous().view(torch.int16).numpy().reshape(-1).copy())
+        else:
+            copies.append(src.to(torch.bfloat16).to("cpu"))
+    return time.perf_counter() - started
+
+
+def _measure_floor(case: Case, workdir: Path, device: str) -> FloorResult:
+    """publish() and publish -> committed beside the snapshot floor, every delta step."""
+    model_dir = build_model(workdir / (case.name + "-floor"), "llama", hidden_size=case.hidden,
+                            num_layers=case.layers, num_heads=4, num_kv_heads=2,
+                            intermediate_size=case.hidden * 8 // 3 // 8 * 8,
+                            vocab_size=case.vocab, seed=0)
+    model = load_hf_model(model_dir, dtype=torch.bfloat16).to(device)
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-6, weight_decay=0.0)
+    torch.manual_seed(0)
+    params = [p for p in model.parameters()]
+    floor, publish, whole, changed = [], [], [], []
+    manifests: dict[int, object] = {}
+    url = f"file://{workdir / (case.name + '-floor-bucket')}"
+    with DeltaPublisher(url, anchor_every=1000, on_commit=lambda m: manifests.__setitem__(m.step, m)) as pub:
+        for step in range(case.steps):
+            tokens = torch.randint(0, case.vocab, (4, 64), device=device)
+            model(input_ids=tokens, labels=tokens).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            if device == "cuda":
+                torch.cuda.synchronize()
+            floor.append(_snapshot_floor(params))
+            started = time.perf_counter()
+            pub.publish(step, model.named_parameters())
+            middle = time.perf_counter()
+            pub.flush()
+            done = time.perf_counter()
+            if step:  # step 0 is the anchor
+                publish.append(middle - started)
+                whole.append(done - started)
+                changed.append(manifests[step].totals.changed)  # type: ignore[attr-defined]
+    return FloorResult(case, device, sum(p.numel() for p in params), statistics.mean(changed),
+                       statistics.median(floor) * 1e3, statistics.median(publish) * 1e3,
+                       statistics.median(whole) * 1e3)
+
+
+def _floor_table(results: list[FloorResult]) -> str:
+    head = ("| model | device | params | changed / step | snapshot floor ms (one bf16 copy) "
+            "| publish() ms | publish() / floor | publish -> committed ms | committed / floor |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in results:
+        lines.append(
+            f"| {r.case.name} | {r.device} | {r.params / 1e6:.2f}M | {r.changed / r.params * 100:.2f}% "
+            f"| {r.floor_ms:.1f} | {r.publish_ms:.1f} | {r.publish_ms / r.floor_ms:.2f} "
+            f"| {r.whole_ms:.1f} | {r.whole_ms / r.floor_ms:.2f} |")
+    return "\n".join(lines)
+
+
 def _table(results: list[Result]) -> str:
     head = ("| model | params | delta steps | sparsity | delta bytes/step | full bf16 | delta/full "
             "| bytes/changed elem | anchor bytes | fwd+bwd ms | optimizer.step ms | publish() ms "
@@ -111,20 +193,35 @@ def _table(results: list[Result]) -> str:
 DEFAULT_CODEC = inspect.signature(DeltaPublisher).parameters["codec"].default
 
 
-def run(quick: bool = False) -> str:
-    """Run the benchmark; returns a Markdown table (medians per step; sparsity, bytes: means)."""
+def run(quick: bool = False, device: str = "cpu") -> str:
+    """Run the benchmark; returns Markdown tables (medians per step; sparsity, bytes: means)."""
     cases = [Case("example (llama h256 L4)", 256, 4, 2000, 6 if quick else 21)]
     if not quick:
         cases.append(Case("llama h512 L8", 512, 8, 8000, 11))
+    big = cases[-1]
     with tempfile.TemporaryDirectory(prefix="bench-publisher-") as tmp:
-        results = [_measure(case, Path(tmp)) for case in cases]
+        results = [_measure(case, Path(tmp)) for case in cases] if device == "cpu" else []
+        floors = [_measure_floor(Case(big.name, big.hidden, big.layers, big.vocab, 4 if quick else 9),
+                                 Path(tmp), device)]
     note = ("AdamW (torch, bf16 weights, lr 3e-6), batch 4 x 64 tokens, anchor every 10 steps, "
             f"{DEFAULT_CODEC} (the publisher's default), file:// bucket; "
             f"{torch.get_num_threads()} torch threads.")
-    return f"### Publisher\n\n{note}\n\n{_table(results)}\n"
+    floor_note = (
+        "Same training, every step a delta (one anchor first), `flush()` after each `publish()` "
+        "(publish -> committed: the diff, encode, write and manifest commit to a file:// bucket). "
+        "Snapshot floor: one bf16 copy of every parameter to host memory, measured in each step "
+        "right before `publish()`; the publisher before 0.5 took that copy and then compared it. "
+        "Medians over the delta steps. Targets (issue 27): publish() <= 1.5x the floor, "
+        "publish -> committed <= 2.5x.")
+    out = f"### publish() against the snapshot floor\n\n{floor_note}\n\n{_floor_table(floors)}\n"
+    if results:
+        out = f"### Publisher\n\n{note}\n\n{_table(results)}\n\n" + out
+    return out
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description="Publisher benchmark")
     parser.add_argument("--quick", action="store_true", help="the example model only, 6 steps")
-    print(run(quick=parser.parse_args().quick))
+    parser.add_argument("--device", default="cpu", help="cpu, or cuda: the snapshot-floor row only")
+    ns = parser.parse_args()
+    print(run(quick=ns.quick, device=ns.device))

@@ -24,7 +24,10 @@ anchor costs no second copy when uploads keep up. The torch path runs on any dev
 from __future__ import annotations
 
 import logging
+import os
 import threading
+from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from itertools import pairwise
 from typing import Any
@@ -71,14 +74,27 @@ class Differ:
     """
 
     def __init__(self, *, previous_on: str = "device", chunk_elements: int = CHUNK_ELEMENTS,
-                 device_path: bool = False) -> None:
+                 device_path: bool = False, threads: int = 0) -> None:
+        """
+        Args:
+            previous_on: ``"device"`` or ``"host"`` (accelerator parameters; module docstring).
+            chunk_elements: elements per pass of the host diff.
+            device_path: the torch path for every parameter, CPU ones included (tests).
+            threads: host diffs of different parameters run on this many threads at once (the
+                fused pass releases the GIL; the training thread waits for them anyway);
+                0: one per available core, at most 4.
+        """
         if previous_on not in ("device", "host"):
             raise ValueError(f"previous_on={previous_on!r} must be 'device' or 'host'")
         self.previous_on = previous_on
         self.chunk_elements = max(1024, int(chunk_elements))
         self.device_path = device_path
+        self.threads = threads or min(4, _available_cores())
         self._base: dict[str, _Baseline] = {}
         self._pinned: torch.Tensor | None = None
+        self._pool: ThreadPoolExecutor | None = None
+        # compile the fused pass now, off the training thread: the first delta finds it ready
+        threading.Thread(target=_kernel, name="deltasync-diff-compile", daemon=True).start()
 
     def __contains__(self, name: str) -> bool:
         return name in self._base
@@ -86,6 +102,40 @@ class Differ:
     def clear(self) -> None:
         self._base.clear()
         self._pinned = None
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False)
+            self._pool = None
+
+    def diff_all(self, tensors: Mapping[str, torch.Tensor], *, full: bool, job: object = None,
+                 cuts: Mapping[str, tuple[int, ...]] | None = None) -> dict[str, Diff]:
+        """:meth:`diff` of every tensor, in order; host diffs on :attr:`threads` threads."""
+        cuts = cuts or {}
+        names = list(tensors)
+        host = [n for n in names if n in self._base and not self._base[n].device
+                and tensors[n].device.type == "cpu"]
+        out: dict[str, Diff] = {}
+        if self.threads > 1 and len(host) > 1:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="deltasync-diff")
+            futures = {n: self._pool.submit(self.diff, n, tensors[n], full=full, job=job,
+                                            cuts=cuts.get(n, ())) for n in host}
+            try:
+                done = {n: f.result() for n, f in futures.items()}
+            except BaseException:
+                for f in futures.values():  # every diff has ended before the caller goes on
+                    f.cancel()
+                for f in futures.values():
+                    if not f.cancelled():
+                        f.exception()
+                raise
+        else:
+            done = {}
+        for n in names:
+            out[n] = done[n] if n in done else self.diff(n, tensors[n], full=full, job=job,
+                                                          cuts=cuts.get(n, ()))
+        return out
 
     def release(self, job: object) -> None:
         """The upload of ``job`` no longer reads the baselines it was lent (upload thread)."""
@@ -199,6 +249,13 @@ class Differ:
         return Diff(changed, torch.from_numpy(_cat(found_idx, np.int64)),
                     torch.from_numpy(_cat(found_new, np.int16)).view(torch.bfloat16),
                     torch.from_numpy(_cat(found_old, np.int16)).view(torch.bfloat16), tuple(counts))
+
+
+def _available_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not on Linux
+        return os.cpu_count() or 1
 
 
 def _bounds(cuts: tuple[int, ...], n: int) -> tuple[int, ...]:

@@ -273,6 +273,7 @@ class DeltaPublisher:
         self._closed = True
         self._queue.put(None)
         self._thread.join()
+        self._differ.close()
         if self._group is not None:
             self._group.close()
         try:
@@ -440,23 +441,23 @@ class DeltaPublisher:
         anchor = not self._published or self._force_anchor or self._since_anchor + 1 >= self.anchor_every
         lease = object()
         items: list[StepItem] = []
+        cuts = {} if blocks is None else {
+            name: tuple(int(c) for c in np.cumsum([r.size for r in blocks[name]])[:-1])
+            for name in tensors}
         try:
-            for name, tensor in tensors.items():
-                shape = self._meta[name][0]
-                if blocks is None:
-                    items.append(_item(name, shape, self._differ.diff(name, tensor, full=anchor, job=lease)))
-                    continue
-                # a shard: one item per block, in the local piece's flat order
-                sizes = [region.size for region in blocks[name]]
-                cuts = tuple(int(c) for c in np.cumsum(sizes)[:-1])
-                diff = self._differ.diff(name, tensor, full=anchor, job=lease, cuts=cuts)
-                items.extend(_block_items(name, shape, diff, blocks[name]))
+            diffs = self._differ.diff_all(tensors, full=anchor, job=lease, cuts=cuts)
         except BaseException:
             # some baselines may have moved to this step, which is not queued: the next step
             # must not be a delta computed against them
             self._force_anchor = True
             self._differ.release(lease)
             raise
+        for name, diff in diffs.items():
+            shape = self._meta[name][0]
+            if blocks is None:
+                items.append(_item(name, shape, diff))
+            else:  # a shard: one item per block, in the local piece's flat order
+                items.extend(_block_items(name, shape, diff, blocks[name]))
         self._published = True
         fp = fingerprint((name, shape, "bfloat16") for name, (shape, _) in self._meta.items())
         totals = (len(self._meta), sum(math.prod(shape) for shape, _ in self._meta.values()))
