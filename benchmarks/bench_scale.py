@@ -75,6 +75,28 @@ LINK_GBPS = 100.0
 DECODE_CORES = 16
 """Assumed host cores per node given to verify + decode (2 per GPU)."""
 
+# the trainer's layout (assumed): 1T trained on 256 GPUs, 32 nodes of 8
+TRAINER_GPUS = 256
+"""Expert parallel across nodes x FSDP within: every parameter element is held, for the
+sharded publisher, by exactly one rank (a replicated copy publishes from one rank only)."""
+TRAINER_ENCODE_CORES = 8
+"""Host cores per trainer GPU given to the publisher's encode pool (trainer hosts have
+~100-200 cores per 8 GPUs)."""
+DEVICE_DIFF_GBPS = 1000.0
+"""Assumed effective device-memory rate of the diff on the GPU (compare + gather + baseline
+update, 4 bytes read per element: new and baseline bf16); H100/H200 HBM peaks at 3.3-4.8 TB/s.
+Not measured: no GPU here (benchmarks/gpu.py measures it where one is)."""
+PCIE_GBPS = 25.0
+"""Assumed device-to-host (trainer: changed elements) and host-to-device (rollout: decoded
+patches) rate per GPU, GB/s (PCIe 5 x16 peaks at ~55)."""
+REQUEST_S = 0.1
+"""Assumed latency of one bucket request (HEAD/GET/PUT of a small object)."""
+COMMIT_REQUESTS = 4
+"""Rounds of requests on the commit path besides the part records: the listing that finds
+them, the commit's existence check, the manifest PUT, its read-back."""
+PART_READS = 32
+"""Part records the committing rank reads at once (trainer/sharded.py PART_READS)."""
+
 _SERVER = r"""
 import importlib.util, json, sys
 spec = importlib.util.spec_from_file_location("deltasync_scale_hubserver", sys.argv[1])
@@ -340,6 +362,7 @@ def measure_codec(server: Server, codec: str, tensors: dict[str, torch.Tensor], 
             del patches, files, truth
             gc.collect()
             rows.append({
+                "diff_threads": pub._differ.threads, "encode_threads": _encode_threads(pub),
                 "codec": codec, "step": k, "anchor_s": anchor_s, "anchor_bytes": anchor_bytes,
                 "changed": changed, "elements": sum(t.numel() for t in tensors.values()),
                 "publish_s": publish_s, "diff_s": diff_s, "upload_s": upload_s,
@@ -352,6 +375,14 @@ def measure_codec(server: Server, codec: str, tensors: dict[str, torch.Tensor], 
             })
     server.command(f"drop {bucket}")
     return rows
+
+
+def _encode_threads(pub: DeltaPublisher) -> int:
+    """Threads the publisher encodes a step's chunks on (1 before the writer had a pool)."""
+    chosen = getattr(pub, "encode_threads", None)
+    if chosen is None:
+        return 1
+    return int(chosen) or min(8, len(os.sched_getaffinity(0)))
 
 
 LAYOUT_SHRINK = 32
@@ -534,47 +565,87 @@ def extrapolate(r: dict[str, Any]) -> str:
     units = layers * (experts + 1)
     rows = [x for x in r["rows"] if x["codec"] == r["codecs"][0]]
     x = rows[-1]  # the default codec; times: best of its delta steps (the cores are shared)
-    per_unit = {k: min(y[k] for y in rows) / units for k in ("fetched", "upload_s", "decode1_s",
-                                                              "apply_s")}
-    per_unit["diff_s"] = min(y["diff_s"] for y in r["rows"]) / units  # the diff is codec-independent
+    per_unit = {k: min(y[k] for y in rows) / units for k in ("fetched", "decode1_s", "apply_s")}
+    # measured per-core rates, conservative: a pool's seconds times its threads (no credit for
+    # scaling that a shared 2-core machine does not show)
+    diff_ns = min(y["diff_s"] * y["diff_threads"] / y["elements"] for y in r["rows"]) * 1e9
+    encode_ns = min(y["upload_s"] * y["encode_threads"] / y["changed"] for y in rows) * 1e9
+    b_per_el = x["step_bytes"] / x["changed"]
     manifest_req = 2  # resolve + CDN GET, whatever its size
     data_req_per_layer = max(0, sum(lo["requests"].values()) - manifest_req) / lo["layers"]
     manifest_per_tensor = lo["manifest_bytes"] / lo["tensors"]
     plan_per_tensor = lo["plan_s"] / lo["tensors"]
     fleet_nodes = REPLICAS * EP // GPUS_PER_NODE
+    trainer_nodes = TRAINER_GPUS // GPUS_PER_NODE
+    link = LINK_GBPS * 1e9 / 8
     lines = [
-        f"#### Extrapolation (not measured: scaled linearly from the {layers} measured layer(s), "
-        f"{x['codec']}; times are the best of the measured delta steps, the diff's over every "
-        f"codec's, as other work shares this machine's cores)",
+        f"#### Extrapolation (not measured: per-element rates measured above, scaled to the "
+        f"layouts below; {x['codec']})",
         "",
-        f"Assumptions: per-rank data bytes, diff, encode/upload, decode and apply are linear in "
-        f"expert-layers (routed + the replicated shared expert); requests are linear in layers "
-        f"(measured per layer in the whole-model layout above), the manifest in the model's MoE "
-        f"tensor count (every rank reads it all; attention/dense tensors' entries not counted); a "
-        f"node = {GPUS_PER_NODE} GPUs = {GPUS_PER_NODE} EP ranks, each downloading and decoding its "
-        f"own share (no node-level sharing: the shared expert's delta and the manifest are fetched "
-        f"8x per node; the column 'with the node cache' assumes `NodeCachedStore` shares them, "
-        f"one download per node, while each rank's own experts are still its own ranges; the "
-        f"times use the first); node front-end link {LINK_GBPS:.0f} Gb/s shared by its ranks; "
-        f"{DECODE_CORES} host cores per node for verify+decode at the measured 1-thread rate per "
-        f"core (the 2-thread column above shows the per-core scaling); the trainer diffs and "
-        f"publishes with one rank per EP share in parallel at the rates measured here (a shared "
-        f"2-core machine; diff = snapshot + compare in the training loop, single thread) and "
-        f"uploads {GPUS_PER_NODE} ranks' bytes per node over the same link; apply is the measured "
-        f"single-thread CPU scatter per rank (on a GPU it is far faster), ranks in parallel; no "
-        f"overlap between stages (an upper bound); fleet = {REPLICAS} replicas of EP={EP} = "
-        f"{fleet_nodes} nodes; bucket/CDN egress assumed not to be the bottleneck; discovery "
-        f"(StepWatcher) requests not included (bench_download). Not included: attention, "
-        f"embeddings, dense layers (~14.5B parameters, ~2% of DeepSeek-V3's 671B).",
+        "**Measured on this machine** (best delta step; a pool's seconds times its threads, so "
+        "per core and conservative): "
+        f"the publisher's host diff {diff_ns:.2f} ns per parameter element per core; encode + "
+        f"write {encode_ns:.1f} ns per changed element per core; {b_per_el:.2f} B per changed "
+        f"element; verify + decode {per_unit['decode1_s'] / max(1.0, x['changed'] / units) * 1e9:.1f} "
+        f"ns per changed element per core; the rollout's CPU apply "
+        f"{per_unit['apply_s'] / max(1.0, x['changed'] / units) * 1e9:.1f} ns per changed element; "
+        "fetched bytes, requests and the manifest's size per layer and tensor (tables above).",
         "",
-        "| model | routed experts / rank / layer | MoE layers | per rank: data + manifest fetched | "
-        "per node: fetched | per node with the node cache | trainer diff s | encode + upload s | upload + download at link s | "
-        "plan + verify+decode s (per node) | apply s | publish -> applied s | Hub requests / "
-        "step: rank / fleet | fleet bytes / step |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        f"**Assumed trainer** (issue 27's layout): the model trained on {TRAINER_GPUS} GPUs "
+        f"({trainer_nodes} nodes of {GPUS_PER_NODE}), expert parallel x FSDP, every parameter "
+        f"element published by exactly one rank (the sharded publisher, DTensors): "
+        f"1/{TRAINER_GPUS} of the parameters per rank, 1% of them changed. Diff on the device "
+        f"(`previous_on=\"device\"`) at {DEVICE_DIFF_GBPS:.0f} GB/s effective over 4 B per "
+        f"element, the changed elements (12 B each: int64 index, new and old bf16) to the host "
+        f"at {PCIE_GBPS:.0f} GB/s; the host-path column instead copies every parameter to the "
+        f"host at that rate and diffs at the measured per-core rate on {TRAINER_ENCODE_CORES} "
+        f"cores; encode on {TRAINER_ENCODE_CORES} host cores per GPU at the measured per-core "
+        f"rate; upload: the node's 8 ranks' bytes over its {LINK_GBPS:.0f} Gb/s link; commit: "
+        f"rank 0 reads the {TRAINER_GPUS} part records {PART_READS} at a time plus "
+        f"{COMMIT_REQUESTS} more request rounds, {REQUEST_S * 1e3:.0f} ms each.",
+        "",
+        f"**Assumed rollout fleet** (as before): EP={EP} replicas, a node = {GPUS_PER_NODE} GPUs "
+        f"= {GPUS_PER_NODE} EP ranks each fetching and decoding its own share (the shared "
+        f"expert's delta and the manifest fetched 8x per node; 'with the node cache': "
+        f"`NodeCachedStore` fetches them once), node link {LINK_GBPS:.0f} Gb/s, {DECODE_CORES} "
+        f"host cores per node for verify + decode at the measured per-core rate; apply: the "
+        f"measured single-thread CPU scatter per rank (the CPU build), or, on GPUs (assumed), the "
+        f"decoded patches (10 B per element) to the device at {PCIE_GBPS:.0f} GB/s with the "
+        f"scatter itself negligible; fleet = {REPLICAS} replicas = {fleet_nodes} nodes; "
+        "bucket/CDN egress not the bottleneck; no overlap between stages (an upper bound: "
+        "the reader downloads, decodes and applies file by file). Not included: attention, "
+        "embeddings, dense layers (~2% of the parameters), discovery requests (bench_download).",
+        "",
+        "| model | parameters (MoE) | trainer: per rank changed | diff on device s (host path s) "
+        "| changes to host s | encode s | upload at link s | commit s | **trainer: publish -> "
+        "committed s** |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    rollout = [
+        "",
+        "| model | routed experts / rollout rank / layer | per rank: data + manifest fetched | "
+        "per node fetched (with the node cache) | download at link s | plan + verify+decode s "
+        "(per node) | apply s: GPU (CPU build) | **publish -> applied s: GPU (CPU build)** | Hub "
+        "requests / step: rank / fleet | fleet bytes / step |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     headline = ""
     for model, (moe_layers, routed) in MOE_LAYERS.items():
+        params = moe_layers * (routed + 1) * 3 * HIDDEN * INTER
+        rank_changed = params / TRAINER_GPUS * DENSITY
+        device_diff = params / TRAINER_GPUS * 4 / (DEVICE_DIFF_GBPS * 1e9)
+        host_diff = (params / TRAINER_GPUS * 2 / (PCIE_GBPS * 1e9)
+                     + params / TRAINER_GPUS * diff_ns * 1e-9 / TRAINER_ENCODE_CORES)
+        to_host = rank_changed * 12 / (PCIE_GBPS * 1e9)
+        encode = rank_changed * encode_ns * 1e-9 / TRAINER_ENCODE_CORES
+        upload = rank_changed * b_per_el * GPUS_PER_NODE / link
+        commit = (-(-TRAINER_GPUS // PART_READS) + COMMIT_REQUESTS) * REQUEST_S
+        trainer = device_diff + to_host + encode + upload + commit
+        lines.append(
+            f"| {model} | {params / 1e12:.2f}T | {rank_changed / 1e6:.1f}M | {device_diff:.3f} "
+            f"({host_diff:.1f}) | {to_host:.3f} | {encode:.2f} | {upload:.2f} | {commit:.1f} | "
+            f"**{trainer:.1f}** |")
+
         per_rank_experts = routed // EP
         u = moe_layers * (per_rank_experts + 1)
         moe_tensors = moe_layers * (routed * 3 + 4)
@@ -582,28 +653,31 @@ def extrapolate(r: dict[str, Any]) -> str:
         rank_bytes = per_unit["fetched"] * u + manifest
         node_bytes = rank_bytes * GPUS_PER_NODE
         cached = per_unit["fetched"] * moe_layers * (per_rank_experts * GPUS_PER_NODE + 1) + manifest
-        link_s = 2 * node_bytes * 8 / (LINK_GBPS * 1e9)  # trainer node up, rollout node down
-        diff_s, upload_s = per_unit["diff_s"] * u, per_unit["upload_s"] * u
-        decode_s = (plan_per_tensor * moe_tensors * GPUS_PER_NODE
-                    + per_unit["decode1_s"] * u * GPUS_PER_NODE) / DECODE_CORES
-        apply_s = per_unit["apply_s"] * u
-        total = diff_s + upload_s + link_s + decode_s + apply_s
+        download = node_bytes / link
+        decode = (plan_per_tensor * moe_tensors * GPUS_PER_NODE
+                  + per_unit["decode1_s"] * u * GPUS_PER_NODE) / DECODE_CORES
+        rank_applied = per_unit["apply_s"] * u
+        changed_rank = x["changed"] / units * u
+        gpu_apply = changed_rank * 10 / (PCIE_GBPS * 1e9)
+        total_gpu = trainer + download + decode + gpu_apply
+        total_cpu = trainer + download + decode + rank_applied
         req_rank = manifest_req + data_req_per_layer * moe_layers
-        lines.append(
-            f"| {model} | {per_rank_experts} (+1 shared) | {moe_layers} | {_gb(rank_bytes)} "
-            f"({_gb(manifest)} manifest) | {_gb(node_bytes)} | {_gb(cached)} | {diff_s:.0f} | {upload_s:.0f} | "
-            f"{link_s:.1f} | {decode_s:.1f} | {apply_s:.1f} | {total:.0f} | {req_rank:.0f} / "
-            f"{req_rank * REPLICAS * EP:,.0f} | {_gb(node_bytes * fleet_nodes)} |")
+        rollout.append(
+            f"| {model} | {per_rank_experts} (+1 shared) | {_gb(rank_bytes)} ({_gb(manifest)} "
+            f"manifest) | {_gb(node_bytes)} ({_gb(cached)}) | {download:.2f} | {decode:.1f} | "
+            f"{gpu_apply:.2f} ({rank_applied:.1f}) | **{total_gpu:.1f}** ({total_cpu:.1f}) | "
+            f"{req_rank:.0f} / {req_rank * REPLICAS * EP:,.0f} | {_gb(node_bytes * fleet_nodes)} |")
         if model.startswith("1T"):
-            headline = (f"**1T MoE, 1% changed, EP={EP}: {node_bytes / 1e9:.2f} GB fetched per node "
-                        f"per step, {total:.0f} s publish -> applied at {LINK_GBPS:.0f} Gb/s "
-                        f"(extrapolated from {layers} measured layer(s) of one rank; {x['codec']}, "
-                        f"{x['fetched'] / x['changed']:.2f} B per changed element; of the "
-                        f"{total:.0f} s, {diff_s + upload_s:.0f} s are the trainer's diff + "
-                        f"encode/upload at this machine's single-thread rates; the rollout node's "
-                        f"part, download at link + plan + verify+decode + apply, is "
-                        f"{link_s / 2 + decode_s + apply_s:.0f} s).**")
-    lines += ["", headline]
+            headline = (
+                f"**1T MoE, 1% changed, trained on {TRAINER_GPUS} GPUs, served at EP={EP}: "
+                f"{total_gpu:.1f} s publish -> applied on GPU servers ({total_cpu:.1f} s with the "
+                f"CPU build's apply), extrapolated: the trainer's part {trainer:.1f} s (of which "
+                f"{commit:.1f} s the commit's assumed request latency, {encode:.2f} s encode at the "
+                f"measured per-core rate on {TRAINER_ENCODE_CORES} cores per GPU), the rollout "
+                f"node's {download + decode + gpu_apply:.1f} s (verify + decode {decode:.1f} s on "
+                f"{DECODE_CORES} cores). Before 0.5 the same model said 252 s: it diffed and "
+                f"encoded 31B parameters per trainer rank on one CPU thread.**")
+    lines += rollout + ["", headline]
     return "\n".join(lines)
 
 

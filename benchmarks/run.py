@@ -28,14 +28,15 @@ import torch
 
 BENCHMARKS = {
     "codec": "bytes per changed element and per step (v1, v2, v3; payload and all bytes), dense fallback, encode/decode vs memcpy, GPU apply",
-    "publisher": "publish() and upload cost per training step, bytes per step",
+    "publisher": "publish() and upload cost per training step, bytes per step; publish() and publish -> committed against the snapshot floor",
     "apply": "engine pause per delta vs full reload_weights; peak extra host memory vs delta size",
     "serving": "decode throughput per CPU kernel mode (stock vLLM, inplace, packed), quiet and while following a step every 3 s; switch pause and repack time",
     "peers": "our scatter vs vLLM's load_checkpoint_weight_patches and reload_weights on one engine, at ~0.5% and ~3%, and the memory floor",
     "download": "download throughput vs plain parallel GET",
     "moe": "per-expert cost: shard map build with learned CPU MoE layouts, one step's apply, layout memory",
     "drafter": "speculative decoding: acceptance rate and decode throughput per training step, drafter following its bucket vs frozen, one run",
-    "scale": "1T MoE scale model: one EP rank's real expert share over hf://, requests, bytes, publish/download/decode/apply, extrapolated per node and fleet",
+    "scale": "1T MoE scale model: one EP rank's real expert share over hf://, requests, bytes, publish/download/decode/apply; per-element rates extrapolated to a 256-GPU trainer and an EP=32 fleet",
+    "gpu": "the GPU rows of every benchmark (publisher diff on the device, snapshot floor on the GPU, decode + apply of 7B shapes, engine apply pause, pytest -m gpu); 'not run' without CUDA",
 }
 DEFAULT_OUT = Path(__file__).with_name("RESULTS.md")
 
