@@ -145,7 +145,8 @@ class SyncConfig:
     """CPU build: the cores the rank's staging threads (download, verify, decode, packing
     ahead) run on (``server/worker/affinity.py``). vLLM binds each worker to its OpenMP cores
     (``VLLM_CPU_OMP_THREADS_BIND``) and threads inherit that binding, so by default staging
-    would share the forward pass's cores. ``auto``: the cores the container allows outside
+    would share the forward pass's cores. ``auto``: the cores the server may use (cgroup,
+    parent process's mask) outside
     the worker's binding and outside the other ranks' (an explicit
     ``VLLM_CPU_OMP_THREADS_BIND`` list; with ``auto`` binding, the other NUMA nodes), e.g. the
     cores vLLM reserves for the engine core; the binding is kept where no core is free.

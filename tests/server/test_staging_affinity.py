@@ -98,6 +98,14 @@ def test_the_option_parses_from_env() -> None:
     assert SyncConfig(url="file:///b").staging_cpus == "auto"
 
 
+@linux
+def test_the_allowed_cores_are_the_cgroups_within_the_parent_process_mask() -> None:
+    allowed = affinity.allowed_cpus()
+    assert allowed and allowed <= set(range(os.cpu_count() or 1))
+    assert allowed <= affinity._status_cpus(Path(f"/proc/{os.getppid()}/status"))
+    assert affinity._status_cpus(Path("/nonexistent/status")) == set()
+
+
 # -- the poller's threads -----------------------------------------------------------------------
 
 def _publish(root: Path) -> str:

@@ -98,16 +98,32 @@ def plan_staging(option: str, environ: Mapping[str, str] | None = None) -> Place
 
 
 def allowed_cpus() -> frozenset[int]:
-    """The cores the container may use: the cgroup's effective cpuset (v2, then v1), else
-    every cpu of the machine."""
+    """The cores the server may use: the cgroup's effective cpuset (v2, then v1), else every
+    cpu of the machine; narrowed to the mask of the process that started the worker (vLLM's
+    engine core, which does not bind itself), so that a server started under ``taskset``
+    stays on the cores it was given."""
+    cpus = frozenset(range(os.cpu_count() or 1))
     for name in ("fs/cgroup/cpuset.cpus.effective", "fs/cgroup/cpuset/cpuset.effective_cpus"):
         text = _read(_SYS / name)
         if text:
             try:
-                return parse_cpu_list(text)
+                cpus = parse_cpu_list(text)
+                break
             except ValueError:
-                pass
-    return frozenset(range(os.cpu_count() or 1))
+                continue
+    parent = _status_cpus(Path(f"/proc/{os.getppid()}/status"))
+    return (cpus & parent) or cpus
+
+
+def _status_cpus(path: Path) -> frozenset[int]:
+    """``Cpus_allowed_list`` of a ``/proc/<pid>/status``; empty when unreadable."""
+    for line in _read(path).splitlines():
+        if line.startswith("Cpus_allowed_list:"):
+            try:
+                return parse_cpu_list(line.split(":", 1)[1].strip())
+            except ValueError:
+                return frozenset()
+    return frozenset()
 
 
 def other_ranks_cpus(bind: str, binding: frozenset[int], allowed: frozenset[int]) -> frozenset[int]:
