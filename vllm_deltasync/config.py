@@ -146,10 +146,9 @@ class SyncConfig:
     ahead) run on (``server/worker/affinity.py``). vLLM binds each worker to its OpenMP cores
     (``VLLM_CPU_OMP_THREADS_BIND``) and threads inherit that binding, so by default staging
     would share the forward pass's cores. ``auto``: the cores the server may use (cgroup,
-    parent process's mask) outside
-    the worker's binding and outside the other ranks' (an explicit
-    ``VLLM_CPU_OMP_THREADS_BIND`` list; with ``auto`` binding, the other NUMA nodes), e.g. the
-    cores vLLM reserves for the engine core; the binding is kept where no core is free.
+    parent process's mask) outside the worker's binding and outside the other ranks' (an
+    explicit ``VLLM_CPU_OMP_THREADS_BIND`` list; with ``auto`` binding, the other NUMA nodes),
+    e.g. the cores vLLM reserves for the engine core; the binding is kept where none is free.
     ``inherit``: keep the binding. A cpu list (``"2,3"``, ``"2-5"``): those cores."""
 
     store_options: dict[str, Any] = field(default_factory=dict, repr=False)
