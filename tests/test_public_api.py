@@ -332,6 +332,7 @@ SAMPLES: dict[str, tuple[str, Any]] = {
     "node_cache_dir": ("/tmp/deltasync-cache", "/tmp/deltasync-cache"),
     "cpu_kernels": ("inplace", "inplace"),
     "decoder": ("numpy", "numpy"),
+    "staging_cpus": ("2-3", "2-3"),
     "store_options": ('{"addressing_style": "path"}', {"addressing_style": "path"}),
 }
 

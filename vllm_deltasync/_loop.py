@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import threading
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -20,10 +20,13 @@ class BackgroundLoop:
     """An event loop running on its own daemon thread, started on first use.
 
     Once closed (:meth:`close`) it stays closed: using it again raises instead of starting a new
-    thread behind the owner's back (a closed poller must not come back to life)."""
+    thread behind the owner's back (a closed poller must not come back to life).
+    ``thread_init`` runs first on the loop's thread (the poller places it on its cores)."""
 
-    def __init__(self, name: str = "vllm-deltasync-io") -> None:
+    def __init__(self, name: str = "vllm-deltasync-io",
+                 thread_init: Callable[[], None] | None = None) -> None:
         self._name = name
+        self._thread_init = thread_init
         self._lock = threading.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -55,6 +58,8 @@ class BackgroundLoop:
         ready = threading.Event()
 
         def main() -> None:
+            if self._thread_init is not None:
+                self._thread_init()
             asyncio.set_event_loop(loop)
             loop.call_soon(ready.set)
             loop.run_forever()

@@ -141,6 +141,16 @@ class SyncConfig:
     dependency of vLLM) where numba imports and compiles, else numpy; ``numpy``: numpy only,
     ~1.5x slower, without loading numba (~160 MiB less RSS per rank)."""
 
+    staging_cpus: str = "auto"
+    """CPU build: the cores the rank's staging threads (download, verify, decode, packing
+    ahead) run on (``server/worker/affinity.py``). vLLM binds each worker to its OpenMP cores
+    (``VLLM_CPU_OMP_THREADS_BIND``) and threads inherit that binding, so by default staging
+    would share the forward pass's cores. ``auto``: the cores the server may use (cgroup,
+    parent process's mask) outside the worker's binding and outside the other ranks' (an
+    explicit ``VLLM_CPU_OMP_THREADS_BIND`` list; with ``auto`` binding, the other NUMA nodes),
+    e.g. the cores vLLM reserves for the engine core; the binding is kept where none is free.
+    ``inherit``: keep the binding. A cpu list (``"2,3"``, ``"2-5"``): those cores."""
+
     store_options: dict[str, Any] = field(default_factory=dict, repr=False)
     """Options for the bucket backend, as a JSON object (``VLLM_DELTASYNC_STORE_OPTIONS=
     '{"addressing_style": "path"}'``): e.g. ``endpoint_url``/``region_name``/``addressing_style``
@@ -192,6 +202,13 @@ class SyncConfig:
             )
         if self.decoder not in ("auto", "numpy"):
             raise ConfigError(f"deltasync decoder={self.decoder!r}: use 'auto' or 'numpy'")
+        if self.staging_cpus not in ("auto", "inherit"):
+            try:
+                parse_cpu_list(self.staging_cpus)
+            except ValueError as exc:
+                raise ConfigError(
+                    f"deltasync staging_cpus={self.staging_cpus!r}: {exc}; use 'auto', "
+                    "'inherit' or a cpu list such as '2,3' or '2-5'") from None
         if not isinstance(self.store_options, Mapping):
             raise ConfigError("deltasync store_options must be a JSON object of backend options")
         if not 0 <= self.metrics_port < 65536:
@@ -270,6 +287,25 @@ def is_configured(additional_config: Mapping[str, Any] | None, environ: Mapping[
     )
 
 
+def parse_cpu_list(text: str) -> frozenset[int]:
+    """``"0-3,5"`` -> ``{0, 1, 2, 3, 5}`` (the kernel's cpu list syntax); ValueError if it is
+    not one, or names no cpu."""
+    cpus: set[int] = set()
+    for part in text.replace(" ", "").split(","):
+        if not part:
+            continue
+        first, dash, last = part.partition("-")
+        if not first.isdigit() or (dash and not last.isdigit()):
+            raise ValueError(f"{part!r} is not a cpu number or range")
+        lo, hi = int(first), int(last) if dash else int(first)
+        if hi < lo:
+            raise ValueError(f"range {part!r} goes backwards")
+        cpus.update(range(lo, hi + 1))
+    if not cpus:
+        raise ValueError("no cpu listed")
+    return frozenset(cpus)
+
+
 def _positive(cfg: SyncConfig, *names: str) -> None:
     for name in names:
         if getattr(cfg, name) <= 0:
@@ -319,4 +355,4 @@ def _coerce(f: dataclasses.Field[Any], value: Any, where: str) -> Any:
         raise ConfigError(f"{where}={shown} is not a valid {kind}: {exc}") from exc
 
 
-__all__ = ["ENV_PREFIX", "ConfigError", "SyncConfig", "is_configured"]
+__all__ = ["ENV_PREFIX", "ConfigError", "SyncConfig", "is_configured", "parse_cpu_list"]

@@ -37,6 +37,8 @@ def test_additional_config_may_be_a_json_string() -> None:
          "RESET_PREFIX_CACHE"),
         ({}, {"VLLM_DELTASYNC_URL": "not a url"}, "not a URL"),
         ({}, {"VLLM_DELTASYNC_URL": "file:///a", "VLLM_DELTASYNC_METRICS_PORT": "70000"}, "metrics_port"),
+        ({}, {"VLLM_DELTASYNC_URL": "file:///a", "VLLM_DELTASYNC_STAGING_CPUS": "cores 2-3"},
+         "staging_cpus"),
     ],
 )
 def test_bad_input_is_a_config_error_naming_the_option(additional, environ, needle) -> None:

@@ -93,6 +93,8 @@ class BucketReader:
         """
         self.decode_threads = decode_threads or min(8, _available_cores())
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self.thread_init: Callable[[], None] | None = None
+        """Runs first on each decode thread (the poller places them on its staging cores)."""
         self.store = store
         self.max_concurrency = max_concurrency
         self.max_inflight_bytes = max_inflight_bytes
@@ -120,7 +122,8 @@ class BucketReader:
             return [self._chunk_patch(m, e, c, get) for e, c in pairs]
         if self._pool is None:
             self._pool = concurrent.futures.ThreadPoolExecutor(
-                self.decode_threads, thread_name_prefix="deltasync-decode")
+                self.decode_threads, thread_name_prefix="deltasync-decode",
+                initializer=self.thread_init)
         loop = asyncio.get_running_loop()
         return list(await asyncio.gather(*(
             loop.run_in_executor(self._pool, self._chunk_patch, m, e, c, get)

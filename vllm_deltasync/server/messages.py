@@ -68,6 +68,9 @@ class RankStatus(TypedDict, total=False):
     """A switch applied on this rank and not committed yet."""
     last_apply: LastApply | None
     bucket: str
+    staging_cpus: str
+    """The cores this rank's staging threads run on (``"1"``, ``"4-7"``; CPU build:
+    ``SyncConfig.staging_cpus``), ``"none"`` where affinity is not known (not Linux)."""
     counters: dict[str, Any]
     fingerprint: str | None
     model_steps: int

@@ -41,6 +41,7 @@ from vllm_deltasync.format.manifest import Manifest
 from vllm_deltasync.format.reader import BucketReader, short_id
 from vllm_deltasync.server.messages import RankStatus
 from vllm_deltasync.server.metrics import WorkerStats, error_reason
+from vllm_deltasync.server.worker.affinity import Placement, format_cpus, plan_staging
 from vllm_deltasync.server.worker.discovery import StepWatcher
 from vllm_deltasync.server.worker.state import StagedStep, SyncState
 from vllm_deltasync.stores import open_store
@@ -89,11 +90,16 @@ class Poller:
         self._prepare = prepare
         self._each = each
         self._select = select
+        self.placement: Placement = plan_staging(config.staging_cpus)
+        """Where this rank's staging threads run (``server/worker/affinity.py``): read on the
+        creating thread (the worker's main thread, bound to its OpenMP cores)."""
         self._reader = reader or BucketReader(
             open_node_store(config, node_ranks),
             max_concurrency=config.download_concurrency,
             fingerprint=fingerprint,
+            decode_threads=min(8, len(self.placement.cpus)) if self.placement.cpus else 0,
         )
+        self._reader.thread_init = self.placement.place
         self._watcher = StepWatcher(
             self._reader.store,
             probe_interval_s=config.poll_interval_s,
@@ -113,8 +119,10 @@ class Poller:
         """How often the applied step's manifest is read again from the bucket, to see that
         the bucket still continues it (a trainer restart, a second writer, a wiped bucket)."""
         self._next_branch_check = 0.0
-        self._loop = BackgroundLoop(name=f"deltasync-poller-rank{rank}")
-        self._stager = ThreadPoolExecutor(1, thread_name_prefix=f"deltasync-stage-rank{rank}")
+        self._loop = BackgroundLoop(name=f"deltasync-poller-rank{rank}",
+                                    thread_init=self.placement.place)
+        self._stager = ThreadPoolExecutor(1, thread_name_prefix=f"deltasync-stage-rank{rank}",
+                                          initializer=self.placement.place)
         """``each`` and ``prepare`` run on this one thread: one malloc arena holds (and reuses)
         what staging allocates, instead of one per thread of the default executor."""
         self._room: asyncio.Event | None = None
@@ -126,6 +134,8 @@ class Poller:
     def start(self) -> None:
         """Start following the bucket (returns at once)."""
         if self._task is None:
+            if self.placement.cpus:
+                logger.info("deltasync rank=%d: %s", self.rank, self.placement.describe())
             self._task = self._loop.submit(self._main())
 
     def close(self) -> None:
@@ -169,6 +179,7 @@ class Poller:
             "pending_switch": snap.pending_switch,
             "last_apply": snap.last_apply,
             "bucket": self.config.redacted_url(),
+            "staging_cpus": format_cpus(self.placement.cpus),
             "counters": self.stats.snapshot(getattr(self._reader.store, "stats", None)),
         }
 
