@@ -115,6 +115,7 @@ class DeltaPublisher:
         writer_token: str | None = None,
         format_version: int = SCHEMA_VERSION,
         resumed_from: int | None = None,
+        encode_threads: int = 0,
     ) -> None:
         """
         Args:
@@ -148,6 +149,8 @@ class DeltaPublisher:
                 anchor, at a step number after every committed one (:attr:`next_step`), and
                 servers follow identities, never applying a delta onto other weights
                 (docs/trainer.md, "Restarting a trainer").
+            encode_threads: threads that encode a step's chunks while its files upload (0: one
+                per available core, at most 8); the bytes published do not depend on it.
         """
         _check_options(anchor_every, keep_anchors, max_file_bytes, max_pending_steps)
         if format_version not in (1, 2, 3):
@@ -181,6 +184,7 @@ class DeltaPublisher:
         self.anchor_every = anchor_every
         self.keep_anchors = keep_anchors
         self.max_file_bytes = max_file_bytes
+        self.encode_threads = encode_threads
         self.codec = codec
         self.on_commit = on_commit
         self.timeout_s = timeout_s
@@ -485,6 +489,7 @@ class DeltaPublisher:
                     max_file_bytes=self.max_file_bytes, timeout_s=self.timeout_s,
                     version=self.format_version, run_id=self.run_id, writer=self.writer_token,
                     base_id=self._base_id(job), resumed_from=self._resumed_from(job),
+                    encode_threads=self.encode_threads,
                 )
         except AlreadyExistsError as exc:
             other = self._run(self._writer_of(job.step)) if v2 else None
@@ -531,7 +536,7 @@ class DeltaPublisher:
         files, tensors = write_files(
             self._store, self._loop, job.step, job.kind, job.items, codec=self.codec,
             max_file_bytes=self.max_file_bytes, timeout_s=self.timeout_s, writer=self.writer_token,
-            attempt=attempt)
+            attempt=attempt, encode_threads=self.encode_threads)
         sharded.failpoint(group.rank, job.step)
         template = Manifest(step=job.step, kind=job.kind, base_step=job.base_step,
                             anchor_step=job.anchor_step, created_at=time.time(),
