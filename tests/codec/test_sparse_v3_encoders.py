@@ -1,6 +1,6 @@
 """``sparse-v3``'s two encoders: the numba kernels (numba comes with vLLM) and the numpy passes
 (where numba is missing or cannot compile) write the same bytes and the same meta, which the
-decoder reads back; and frames of the zstd parameters 0.4.x used (btopt) still decode."""
+decoder reads back; and frames of the zstd parameters 0.4.0 used (btopt) still decode."""
 
 from __future__ import annotations
 
@@ -146,7 +146,7 @@ def test_every_high_bits_choice_matches(kernels: Any) -> None:
 
 
 def test_frames_of_the_old_zstd_parameters_still_decode(monkeypatch: pytest.MonkeyPatch) -> None:
-    """0.4.x compressed with btopt at level 15: its frames decode to the same elements."""
+    """0.4.0 compressed with btopt at level 15: its frames decode to the same elements."""
     zstd = sparse_v3._zstd()
     old, new = _step(300_000, 0.01, "mixed")
     idx = _changed(old, new)

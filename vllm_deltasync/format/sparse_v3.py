@@ -129,7 +129,7 @@ def _compress(sections: list[bytes], level: int) -> bytes:
     zstd's fast parser with a 64-entry hash table and 7-byte matches: the sections hold almost no
     repeats, so the frame is essentially Huffman-coded literals, and matches found by a larger
     table or a deeper search cost more than the literals they replace. ~4 ns per changed element
-    (btopt, used up to 0.4.x: ~75 ns) at ~0.5% fewer bytes. ``level`` fills the parameters not
+    (btopt, used up to 0.4.0: ~75 ns) at ~0.2% fewer bytes. ``level`` fills the parameters not
     set here (none that change the output today)."""
     zstd = _zstd()
     key = f"c{level}"
@@ -293,9 +293,9 @@ class SparseV3Codec(Codec):
     min_reader = "0.3.0"
 
     def __init__(self, *, level: int = ZSTD_LEVEL) -> None:
-        """``level``: zstd level whose parameters are used, with zstd's optimal parser (btopt)
-        and 7-byte minimum matches: the streams hold almost no repeats, and short matches found
-        by the faster parsers cost more than the literals they replace."""
+        """``level``: zstd level whose parameters fill those ``_compress`` does not set (zstd's
+        fast parser, a 64-entry hash table, 7-byte minimum matches; the output is the same at
+        every level today). Kept for compatibility: 0.4.0 used the level's optimal parser."""
         self.level = level
 
     def encode(
