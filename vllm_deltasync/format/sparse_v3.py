@@ -85,21 +85,24 @@ def _joint_histogram(high: np.ndarray, codes: np.ndarray) -> np.ndarray:
     return np.bincount(key, minlength=65536).reshape(256, 256)
 
 
-def _choose_high_bits(joint: np.ndarray, n: int) -> int:
+def _choose_high_bits(joint: np.ndarray, n: int, used: tuple[int, int] | None = None) -> int:
     """``high_bits`` with the smallest estimated size, from the joint histogram ``joint`` of
     (min(h, 255), min(c, 255)) of the ``n`` elements (exact integers: both encoders choose alike).
 
     Estimate: zstd's Huffman stage codes bytes, at least 1 bit each, so a field byte costs
     ``max(entropy of the field bytes, 1)`` bits (+2% for tables); a high escape ~3 bytes, a value
     escape ~1.5 (their overflow compresses). Small chunks (not worth compressing) are sized raw.
-    One joint histogram serves every candidate.
+    One joint histogram serves every candidate; ``used``: (rows, columns) of it that may be
+    non-zero, where the caller knows them (any bounds give the same choice).
     """
     small = n < _SMALL
     # Only the used corner of the table (the rows and columns up to the last non-zero one):
     # the same non-zero counts in the same order, so the same sizes, less work on a chunk with
     # small gaps and differences. The last row (column) below is the escapes'.
-    used = np.flatnonzero(joint.reshape(-1))
-    joint = joint[: int(used[-1]) // 256 + 1, : int((used & 255).max()) + 1]
+    if used is None:
+        nz = np.flatnonzero(joint.reshape(-1))
+        used = (int(nz[-1]) // 256 + 1, int((nz & 255).max()) + 1)
+    joint = joint[: used[0], : used[1]]
     h8 = joint.sum(axis=1)
     costs: dict[int, float] = {8: (3.0 * n if small else n * (max(_entropy_bits(h8), 1.0) + 0.02) / 8 + 1.9 * n)
                                + 4 * int(h8[255] if h8.size == 256 else 0)}
@@ -192,8 +195,8 @@ def _gaps_body(idx: np.ndarray, values16: np.ndarray, coded: bool, meta: dict[st
         scan, build = kernels
         if coded:
             joint = np.zeros(65536, np.int64)
-            scan(idx, values16, joint)
-            hb = _choose_high_bits(joint.reshape(256, 256), n)
+            used = scan(idx, values16, joint)
+            hb = _choose_high_bits(joint.reshape(256, 256), n, (int(used[0]) + 1, int(used[1]) + 1))
         else:
             hb = 8
         low, fields = np.empty(n, np.uint8), np.empty(n, np.uint8)
@@ -235,16 +238,24 @@ def _gaps_numpy(idx: np.ndarray, values16: np.ndarray, coded: bool
 
 def _enc_scan(idx, values16, joint):  # type: ignore[no-untyped-def]
     """Adds the (min(h, 255), min(c, 255)) pairs of the gaps' high parts and the differences'
-    codes to ``joint`` (65536 int64), as ``_joint_histogram``. Compiled by numba."""
+    codes to ``joint`` (65536 int64), as ``_joint_histogram``; returns the largest of each.
+    Compiled by numba."""
     n = idx.size
     prev = idx[0] if n else 0
+    hmax = 0
+    cmax = 0
     for k in range(n):
         g = idx[k] - prev
         prev = idx[k]
         h = min(g >> 8, 255)
         d = np.int32(values16[k])
-        c = ((((d << 1) ^ (d >> 15)) & 0xFFFF) - 1) & 0xFFFF
-        joint[(h << 8) | min(c, 255)] += 1
+        c = min(((((d << 1) ^ (d >> 15)) & 0xFFFF) - 1) & 0xFFFF, 255)
+        joint[(h << 8) | c] += 1
+        if h > hmax:
+            hmax = h
+        if c > cmax:
+            cmax = c
+    return hmax, cmax
 
 
 def _enc_fields(idx, values16, hb, low, fields, high_over, value_over):  # type: ignore[no-untyped-def]
@@ -643,12 +654,13 @@ def _compile_encoder() -> Any:
             scan, build = (numba.njit(nogil=True)(f) for f in (_enc_scan, _enc_fields))
         idx, diff = np.array([3, 5, 1000], np.int64), np.array([-1, 300, 2], np.int16)  # self-check
         joint = np.zeros(65536, np.int64)
-        scan(idx, diff, joint)
+        used = scan(idx, diff, joint)
         low, fields = np.empty(3, np.uint8), np.empty(3, np.uint8)
         high_over, value_over = np.empty(3, "<u4"), np.empty(3, "<i2")
         counts = build(idx, diff, 2, low, fields, high_over, value_over)
-        got = (counts, high_over[:1], low, fields, value_over[:1], joint.sum())
-        if [np.asarray(a).tolist() for a in got] != [[1, 1], [0], [0, 2, 227], [0, 252, 15], [300], 3]:
+        got = (counts, high_over[:1], low, fields, value_over[:1], joint.sum(), used)
+        if [np.asarray(a).tolist() for a in got] != [[1, 1], [0], [0, 2, 227], [0, 252, 15], [300], 3,
+                                                     [3, 255]]:
             raise RuntimeError(f"self-check encoded {counts} {low.tolist()} {fields.tolist()}")
     except Exception as exc:  # noqa: BLE001 - any numba failure leaves the numpy encoder
         logger.warning("sparse-v3: numba could not compile the encoder (%s: %s); encoding "
