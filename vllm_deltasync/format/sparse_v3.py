@@ -242,14 +242,18 @@ def _enc_scan(idx, values16, joint):  # type: ignore[no-untyped-def]
     Compiled by numba."""
     n = idx.size
     prev = idx[0] if n else 0
-    hmax = 0
-    cmax = 0
+    hmax: Any = 0
+    cmax: Any = 0
     for k in range(n):
         g = idx[k] - prev
         prev = idx[k]
-        h = min(g >> 8, 255)
-        d = np.int32(values16[k])
-        c = min(((((d << 1) ^ (d >> 15)) & 0xFFFF) - 1) & 0xFFFF, 255)
+        h = g >> 8
+        if h > 255:
+            h = 255
+        d: Any = np.int32(values16[k])
+        c = ((((d << 1) ^ (d >> 15)) & 0xFFFF) - 1) & 0xFFFF
+        if c > 255:
+            c = 255
         joint[(h << 8) | c] += 1
         if h > hmax:
             hmax = h
