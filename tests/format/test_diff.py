@@ -147,3 +147,5 @@ def test_previous_on_is_checked(bucket: str) -> None:
 
     with pytest.raises(ConfigError, match="previous_on='gpu' must be 'device'"):
         DeltaPublisher(bucket, previous_on="gpu")
+    with pytest.raises(ConfigError, match="encode_threads=-1 must be an integer >= 0"):
+        DeltaPublisher(bucket, encode_threads=-1)

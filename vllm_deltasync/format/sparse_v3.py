@@ -77,28 +77,40 @@ def _entropy_bits(hist: np.ndarray) -> float:
     return float(-(p * np.log2(p)).sum())
 
 
-def _choose_high_bits(high: np.ndarray, codes: np.ndarray | None) -> int:
-    """``high_bits`` with the smallest estimated size.
+def _joint_histogram(high: np.ndarray, codes: np.ndarray) -> np.ndarray:
+    """int64 counts of (min(h, 255), min(c, 255)), 256 x 256 (numpy; ``_enc_scan`` in numba)."""
+    key = np.minimum(high, 255)
+    key <<= 8
+    key += np.minimum(codes, 255)
+    return np.bincount(key, minlength=65536).reshape(256, 256)
+
+
+def _choose_high_bits(joint: np.ndarray, n: int, used: tuple[int, int] | None = None) -> int:
+    """``high_bits`` with the smallest estimated size, from the joint histogram ``joint`` of
+    (min(h, 255), min(c, 255)) of the ``n`` elements (exact integers: both encoders choose alike).
 
     Estimate: zstd's Huffman stage codes bytes, at least 1 bit each, so a field byte costs
     ``max(entropy of the field bytes, 1)`` bits (+2% for tables); a high escape ~3 bytes, a value
     escape ~1.5 (their overflow compresses). Small chunks (not worth compressing) are sized raw.
-    One joint histogram of (min(h, 255), min(c, 255)) serves every candidate.
+    One joint histogram serves every candidate; ``used``: (rows, columns) of it that may be
+    non-zero, where the caller knows them (any bounds give the same choice).
     """
-    n = high.size
     small = n < _SMALL
-    hclip = np.minimum(high, 255)
-    if codes is None:
-        return 8
-    joint = np.bincount(hclip * 256 + np.minimum(codes, 255), minlength=65536).reshape(256, 256)
+    # Only the used corner of the table (the rows and columns up to the last non-zero one):
+    # the same non-zero counts in the same order, so the same sizes, less work on a chunk with
+    # small gaps and differences. The last row (column) below is the escapes'.
+    if used is None:
+        nz = np.flatnonzero(joint.reshape(-1))
+        used = (int(nz[-1]) // 256 + 1, int((nz & 255).max()) + 1)
+    joint = joint[: used[0], : used[1]]
     h8 = joint.sum(axis=1)
     costs: dict[int, float] = {8: (3.0 * n if small else n * (max(_entropy_bits(h8), 1.0) + 0.02) / 8 + 1.9 * n)
-                               + 4 * int(h8[255])}
+                               + 4 * int(h8[255] if h8.size == 256 else 0)}
     for hb in range(1, 8):
         hm, vm = (1 << hb) - 1, (1 << (8 - hb)) - 1
         rows = np.concatenate([joint[:hm], joint[hm:].sum(axis=0, keepdims=True)])
         fields = np.concatenate([rows[:, :vm], rows[:, vm:].sum(axis=1, keepdims=True)], axis=1)
-        he, ve = int(rows[hm].sum()), int(fields[:, vm].sum())
+        he, ve = int(rows[-1].sum()), int(fields[:, -1].sum())
         if small:
             costs[hb] = n + 4 * he + 2 * ve
         else:
@@ -120,14 +132,20 @@ def _zstd() -> Any:
 
 def _compress(sections: list[bytes], level: int) -> bytes:
     """One zstd frame of the sections, each section starting a new block (so each gets its own
-    Huffman table: a low-byte plane and a skewed field plane in one block would share one)."""
+    Huffman table: a low-byte plane and a skewed field plane in one block would share one).
+
+    zstd's fast parser with a 64-entry hash table and 7-byte matches: the sections hold almost no
+    repeats, so the frame is essentially Huffman-coded literals, and matches found by a larger
+    table or a deeper search cost more than the literals they replace. ~4 ns per changed element
+    (btopt, used up to 0.4.0: ~75 ns) at ~0.2% fewer bytes. ``level`` fills the parameters not
+    set here (none that change the output today)."""
     zstd = _zstd()
     key = f"c{level}"
     cctx = getattr(_LOCAL, key, None)
     if cctx is None:
         params = zstd.ZstdCompressionParameters.from_level(
-            level, window_log=17, chain_log=12, hash_log=12, search_log=1, min_match=7,
-            strategy=zstd.STRATEGY_BTOPT, write_content_size=1, write_checksum=0)
+            level, window_log=17, chain_log=12, hash_log=6, search_log=1, min_match=7,
+            target_length=0, strategy=zstd.STRATEGY_FAST, write_content_size=1, write_checksum=0)
         cctx = zstd.ZstdCompressor(compression_params=params)
         setattr(_LOCAL, key, cctx)
     obj = cctx.compressobj(size=sum(len(s) for s in sections))
@@ -165,33 +183,115 @@ def _decompress(frame: np.ndarray, size: int) -> bytes:
 # encode
 
 
-def _gaps_body(idx: np.ndarray, values16: np.ndarray, codes: np.ndarray | None,
-               meta: dict[str, Any]) -> list[bytes]:
-    """Sections of the ``gaps`` layout (``codes`` None: raw values); fills ``meta``."""
+def _gaps_body(idx: np.ndarray, values16: np.ndarray, coded: bool, meta: dict[str, Any]) -> list[bytes]:
+    """Sections of the ``gaps`` layout (``values16``: differences if ``coded``, else raw bits);
+    fills ``meta``. The numba kernels (``_enc_scan``, ``_enc_fields``) where present, else numpy
+    passes (``_gaps_numpy``): the same bytes."""
+    n = idx.size
+    kernels = _encode_kernels()
+    if kernels is None:
+        hb, high_over, low, fields, value_over = _gaps_numpy(idx, values16, coded)
+    else:
+        scan, build = kernels
+        if coded:
+            joint = np.zeros(65536, np.int64)
+            used = scan(idx, values16, joint)
+            hb = _choose_high_bits(joint.reshape(256, 256), n, (int(used[0]) + 1, int(used[1]) + 1))
+        else:
+            hb = 8
+        low, fields = np.empty(n, np.uint8), np.empty(n, np.uint8)
+        high_over, value_over = np.empty(n, "<u4"), np.empty(n if hb < 8 else 0, "<i2")
+        he, ve = build(idx, values16, hb, low, fields, high_over, value_over)
+        high_over, value_over = high_over[:he], value_over[:ve]
+    if hb == 8:
+        sections = [high_over.tobytes(), values16.astype("<i2", copy=False).tobytes(), b""]
+    else:
+        sections = [high_over.tobytes(), b"", value_over.tobytes()]
+    meta.update(high_bits=hb, high_escapes=int(high_over.size), value_escapes=int(value_over.size))
+    return [*sections, low.tobytes(), fields.tobytes()]
+
+
+def _gaps_numpy(idx: np.ndarray, values16: np.ndarray, coded: bool
+                ) -> tuple[int, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(high_bits, high overflow, low bytes, field bytes, value overflow) in numpy passes."""
     n = idx.size
     gaps = np.empty(n, np.int64)
     gaps[:1] = 0
     np.subtract(idx[1:], idx[:-1], out=gaps[1:])
     low = (gaps & 0xFF).astype(np.uint8)
     high = gaps >> 8
-    hb = _choose_high_bits(high, codes)
+    codes = _zigzag_code(values16) if coded else None
+    hb = 8 if codes is None else _choose_high_bits(_joint_histogram(high, codes), n)
     hm = (1 << hb) - 1
     hbig = high >= hm
     high_over = (high[hbig] - hm).astype("<u4")
     fields = np.minimum(high, hm).astype(np.uint8)
-    if hb == 8:
-        sections = [high_over.tobytes(), values16.astype("<i2").tobytes(), b""]
-        ve = 0
-    else:
+    value_over = np.empty(0, "<i2")
+    if hb < 8:
         assert codes is not None
         vm = (1 << (8 - hb)) - 1
         vbig = codes >= vm
         fields |= (np.minimum(codes, vm).astype(np.uint8) << np.uint8(hb))
         value_over = values16[vbig].astype("<i2")
-        sections = [high_over.tobytes(), b"", value_over.tobytes()]
-        ve = int(value_over.size)
-    meta.update(high_bits=hb, high_escapes=int(high_over.size), value_escapes=ve)
-    return [*sections, low.tobytes(), fields.tobytes()]
+    return hb, high_over, low, fields, value_over
+
+
+def _enc_scan(idx, values16, joint):  # type: ignore[no-untyped-def]
+    """Adds the (min(h, 255), min(c, 255)) pairs of the gaps' high parts and the differences'
+    codes to ``joint`` (65536 int64), as ``_joint_histogram``; returns the largest of each.
+    Compiled by numba."""
+    n = idx.size
+    prev = idx[0] if n else 0
+    hmax: Any = 0
+    cmax: Any = 0
+    for k in range(n):
+        g = idx[k] - prev
+        prev = idx[k]
+        h = g >> 8
+        if h > 255:
+            h = 255
+        d: Any = np.int32(values16[k])
+        c = ((((d << 1) ^ (d >> 15)) & 0xFFFF) - 1) & 0xFFFF
+        if c > 255:
+            c = 255
+        joint[(h << 8) | c] += 1
+        if h > hmax:
+            hmax = h
+        if c > cmax:
+            cmax = c
+    return hmax, cmax
+
+
+def _enc_fields(idx, values16, hb, low, fields, high_over, value_over):  # type: ignore[no-untyped-def]
+    """The ``gaps`` layout's sections of one chunk in one pass, as ``_gaps_numpy``: fills ``low``
+    and ``fields``, the first escapes of ``high_over`` and (``hb < 8``) ``value_over``; returns
+    their counts. Compiled by numba (``_encode_kernels``)."""
+    n = idx.size
+    hm = (1 << hb) - 1
+    vm = (1 << (8 - hb)) - 1
+    prev = idx[0] if n else 0
+    he = 0
+    ve = 0
+    for k in range(n):
+        g = idx[k] - prev
+        prev = idx[k]
+        low[k] = g & 0xFF
+        h = g >> 8
+        if h >= hm:
+            high_over[he] = h - hm
+            he += 1
+            h = hm
+        f = h
+        if hb < 8:
+            d = np.int32(values16[k])
+            c = ((((d << 1) ^ (d >> 15)) & 0xFFFF) - 1) & 0xFFFF
+            if c >= vm:
+                value_over[ve] = values16[k]
+                ve += 1
+                c = vm
+            f |= c << hb
+        fields[k] = f
+    return he, ve
 
 
 def _body_size(meta: Mapping[str, Any], count: int) -> int:
@@ -213,9 +313,9 @@ class SparseV3Codec(Codec):
     min_reader = "0.3.0"
 
     def __init__(self, *, level: int = ZSTD_LEVEL) -> None:
-        """``level``: zstd level whose parameters are used, with zstd's optimal parser (btopt)
-        and 7-byte minimum matches: the streams hold almost no repeats, and short matches found
-        by the faster parsers cost more than the literals they replace."""
+        """``level``: zstd level whose parameters fill those ``_compress`` does not set (zstd's
+        fast parser, a 64-entry hash table, 7-byte minimum matches; the output is the same at
+        every level today). Kept for compatibility: 0.4.0 used the level's optimal parser."""
         self.level = level
 
     def encode(
@@ -232,11 +332,11 @@ class SparseV3Codec(Codec):
             return {"data": torch.empty(0, dtype=torch.uint8)}, meta
         new16 = new.view(torch.int16).numpy()
         if old_values is None:
-            candidates = [(meta, _gaps_body(idx - first, new16, None, meta))]
+            candidates = [(meta, _gaps_body(idx, new16, False, meta))]
         else:
             old16 = old_values.cpu().contiguous().view(torch.int16).numpy()
             diff = new16 - old16  # wrapping int16 arithmetic
-            candidates = [(meta, _gaps_body(idx - first, diff, _zigzag_code(diff), meta))]
+            candidates = [(meta, _gaps_body(idx, diff, True, meta))]
             span = int(idx[-1]) - first + 1
             if span <= MAX_SPAN_PER_ELEMENT * (n + 1) and bool(np.all(diff != 0)):
                 dense = np.zeros(span, "<i2")
@@ -258,12 +358,13 @@ class SparseV3Codec(Codec):
 
     def prepare(self, *, jit: bool = True) -> None:
         """Compile the numba decoder (~1 s, ~0.3 s from numba's disk cache); ``jit=False``:
-        decode with numpy from now on, without importing numba."""
+        decode (and encode) with numpy from now on, without importing numba."""
         if jit:
             _kernel()
         else:
             with _KERNEL_LOCK:
                 _KERNEL[:] = [None]
+                _ENC_KERNEL[:] = [None]
 
     def decode(
         self, tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any], count: int
@@ -529,6 +630,47 @@ def _compile() -> Any:
                        "with numpy (~1.5x slower)", type(exc).__name__, str(exc)[:200])
         return None
     return jitted
+
+
+_ENC_KERNEL: list[Any] = []
+
+
+def _encode_kernels() -> Any:
+    """(``_enc_scan``, ``_enc_fields``) compiled by numba, or None where numba is missing or
+    cannot compile: the numpy passes of ``_gaps_numpy`` then write the same bytes, ~8x slower.
+    Compiled once per process, at the first encode (~1 s, less from numba's disk cache)."""
+    if not _ENC_KERNEL:
+        with _KERNEL_LOCK:
+            if not _ENC_KERNEL:
+                _ENC_KERNEL.append(_compile_encoder())
+    return _ENC_KERNEL[0]
+
+
+def _compile_encoder() -> Any:
+    try:
+        import numba
+    except ImportError:
+        return None
+    try:
+        try:
+            scan, build = (numba.njit(nogil=True, cache=True)(f) for f in (_enc_scan, _enc_fields))
+        except RuntimeError:  # no writable cache location: compile in memory
+            scan, build = (numba.njit(nogil=True)(f) for f in (_enc_scan, _enc_fields))
+        idx, diff = np.array([3, 5, 1000], np.int64), np.array([-1, 300, 2], np.int16)  # self-check
+        joint = np.zeros(65536, np.int64)
+        used = scan(idx, diff, joint)
+        low, fields = np.empty(3, np.uint8), np.empty(3, np.uint8)
+        high_over, value_over = np.empty(3, "<u4"), np.empty(3, "<i2")
+        counts = build(idx, diff, 2, low, fields, high_over, value_over)
+        got = (counts, high_over[:1], low, fields, value_over[:1], joint.sum(), used)
+        if [np.asarray(a).tolist() for a in got] != [[1, 1], [0], [0, 2, 227], [0, 252, 15], [300], 3,
+                                                     [3, 255]]:
+            raise RuntimeError(f"self-check encoded {counts} {low.tolist()} {fields.tolist()}")
+    except Exception as exc:  # noqa: BLE001 - any numba failure leaves the numpy encoder
+        logger.warning("sparse-v3: numba could not compile the encoder (%s: %s); encoding "
+                       "with numpy (same bytes, slower)", type(exc).__name__, str(exc)[:200])
+        return None
+    return scan, build
 
 
 __all__ = ["ZSTD_LEVEL", "SparseV3Codec"]

@@ -3,16 +3,27 @@
 Used by the publisher's upload thread. ``write_step`` encodes each tensor's payload in
 chunks, packs chunks into safetensors files of about ``max_file_bytes``, writes the files
 (a few at a time) and finally the manifest, whose existence commits the step.
+
+Chunks encode on a thread pool (``encode_threads``; the codecs release the GIL in numba,
+numpy, torch and zstd) a bounded window ahead of the packing, which takes them in their
+order: the files and the manifest are the same bytes as with one thread, the upload of a
+full file starts while later chunks still encode, and at most ``2 * encode_threads``
+encoded chunks (each at most about ``max_file_bytes``) wait besides the open file and
+``MAX_WRITES_IN_FLIGHT`` files being written.
 """
 
 from __future__ import annotations
 
+import collections
+import contextlib
+import functools
 import hashlib
 import json
+import os
 import secrets
 import time
-from collections.abc import MutableMapping
-from concurrent.futures import Future
+from collections.abc import Callable, Generator, Iterator, MutableMapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -20,7 +31,7 @@ import torch
 from safetensors.torch import save as save_safetensors
 
 from vllm_deltasync._loop import BackgroundLoop
-from vllm_deltasync.errors import FormatError
+from vllm_deltasync.errors import ConfigError, FormatError
 from vllm_deltasync.format.codec import Codec
 from vllm_deltasync.format.codecs import get_codec
 from vllm_deltasync.format.layout import (
@@ -49,6 +60,22 @@ from vllm_deltasync.format.manifest import (
 from vllm_deltasync.stores import Store
 
 MAX_WRITES_IN_FLIGHT = 4
+MAX_ENCODE_THREADS = 8
+"""``encode_threads=0`` uses one thread per available core, at most this many."""
+
+
+def encode_threads_for(encode_threads: int) -> int:
+    """Threads that encode chunks: ``encode_threads``, or for 0 one per core this process may
+    run on, at most ``MAX_ENCODE_THREADS``."""
+    if isinstance(encode_threads, bool) or not isinstance(encode_threads, int) or encode_threads < 0:
+        raise ConfigError(f"encode_threads={encode_threads!r} must be an integer >= 0 (0: one per core)")
+    if encode_threads:
+        return encode_threads
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not on Linux
+        cores = os.cpu_count() or 1
+    return max(1, min(MAX_ENCODE_THREADS, cores))
 
 
 @dataclass
@@ -90,6 +117,21 @@ class _PendingChunk:
                      self.roles, self.sha256)
 
 
+def _save(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> bytes:
+    """safetensors' ``save`` with the header's metadata in sorted order, so that the same step
+    makes the same bytes (content-addressed stores deduplicate them): safetensors writes the
+    metadata from a Rust HashMap, in an order that changes from file to file."""
+    data = save_safetensors(tensors, metadata=metadata)
+    n = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8 : 8 + n])
+    meta = header.pop("__metadata__", {})
+    text = json.dumps({"__metadata__": dict(sorted(meta.items())), **header},
+                      separators=(",", ":")).encode()
+    if len(text) > n:  # not the compact JSON safetensors writes: keep its bytes
+        return data
+    return data[:8] + text + b" " * (n - len(text)) + data[8 + n :]
+
+
 class _Files:
     """Packs chunk tensors into safetensors files and writes them as they fill up."""
 
@@ -128,7 +170,7 @@ class _Files:
             return
         meta = {"format": FORMAT_NAME, "schema_version": str(self.version),
                 "step": str(self.step), "kind": self.kind}
-        data = save_safetensors(self.tensors, metadata=meta)
+        data = _save(self.tensors, meta)
         path = data_path(self.step, self.token, len(self.entries))
         index = _locate(data, self.chunks) if self.version >= 2 else None
         self.entries.append(FileEntry(path, len(data), hashlib.sha256(data).hexdigest(), index))
@@ -174,12 +216,17 @@ def _locate(data: bytes, chunks: list[_PendingChunk]) -> dict[str, tuple[tuple[i
     return {name: merge_ranges(rs) for name, rs in ranges.items()}
 
 
-def _encode_item(item: StepItem, codec: Codec, files: _Files) -> list[_PendingChunk]:
+_Plan = tuple[int, int, torch.Tensor | None, Region | None, int]
+"""One chunk to encode: (start, stop, local indices or None, region, codec key)."""
+
+
+def _plan_item(item: StepItem, codec: Codec, files: _Files) -> Iterator[_Plan]:
+    """The chunks of ``item``, in order (nothing encoded here)."""
     if item.region is not None:
-        return _encode_block(item, item.region, codec, files)
+        yield from _plan_block(item, item.region, codec, files)
+        return
     count = item.new_values.numel()
     per_chunk = max(1, files.max_file_bytes // codec.max_bytes_per_element)
-    chunks: list[_PendingChunk] = []
     for start in range(0, count, per_chunk):
         stop = min(count, start + per_chunk)
         indices = None if item.indices is None else item.indices[start:stop]
@@ -191,22 +238,22 @@ def _encode_item(item: StepItem, codec: Codec, files: _Files) -> list[_PendingCh
                 first, last = int(indices[0]), int(indices[-1])
                 region = Region(first, 1, last - first + 1, last - first + 1)
                 indices = indices - first
-        chunks.append(_add_chunk(item, codec, files, start, stop, indices, region, codec_key=start))
-    return chunks
+        yield start, stop, indices, region, start
 
 
-def _add_chunk(item: StepItem, codec: Codec, files: _Files, start: int, stop: int,
-               indices: torch.Tensor | None, region: Region | None, *, codec_key: int) -> _PendingChunk:
-    """Encode positions ``[start, stop)`` of ``item``'s payload as one chunk in the open file."""
+def _encode_chunk(item: StepItem, codec: Codec, plan: _Plan
+                  ) -> tuple[_PendingChunk, dict[str, torch.Tensor]]:
+    """Encode positions ``[start, stop)`` of ``item``'s payload: the chunk and its tensors
+    (safetensors key -> tensor). Runs on the encode pool."""
+    start, stop, indices, region, codec_key = plan
     old = None if item.old_values is None else item.old_values[start:stop]
     roles, meta = codec.encode(indices, item.new_values[start:stop], old)
     keys = {role: codec.key(item.name, role, codec_key) for role in roles}
     pending = _PendingChunk(item.name, keys, start, stop, dict(meta), region)
-    files.add(item.name, {keys[r]: t.reshape(-1).contiguous() for r, t in roles.items()}, pending)
-    return pending
+    return pending, {keys[r]: t.reshape(-1).contiguous() for r, t in roles.items()}
 
 
-def _encode_block(item: StepItem, block: Region, codec: Codec, files: _Files) -> list[_PendingChunk]:
+def _plan_block(item: StepItem, block: Region, codec: Codec, files: _Files) -> Iterator[_Plan]:
     """Chunks of one block (a rank's shard) of a tensor, v2 only.
 
     Every chunk's region lies inside ``block``: either whole rows of it (a strided region,
@@ -224,7 +271,6 @@ def _encode_block(item: StepItem, block: Region, codec: Codec, files: _Files) ->
     def flat(local: int) -> int:
         return block.offset + (local // row_len) * block.row_stride + local % row_len
 
-    chunks: list[_PendingChunk] = []
     if item.indices is None:  # dense: whole rows, or pieces of one row when a row is too long
         if rows == 1 or row_len > per_chunk:
             for r in range(rows):
@@ -232,16 +278,15 @@ def _encode_block(item: StepItem, block: Region, codec: Codec, files: _Files) ->
                     n = min(per_chunk, row_len - c0)
                     start = r * row_len + c0
                     region = Region(flat(start), 1, n, n)
-                    chunks.append(_add_chunk(item, codec, files, start, start + n, None, region,
-                                             codec_key=region.offset))
-            return chunks
+                    yield start, start + n, None, region, region.offset
+            return
         per_rows = max(1, per_chunk // row_len)
         for r0 in range(0, rows, per_rows):
             n_rows = min(per_rows, rows - r0)
             start, stop = r0 * row_len, (r0 + n_rows) * row_len
             region = Region(flat(start), n_rows, row_len, block.row_stride)
-            chunks.append(_add_chunk(item, codec, files, start, stop, None, region, codec_key=region.offset))
-        return chunks
+            yield start, stop, None, region, region.offset
+        return
     idx = item.indices
     count = idx.numel()
     row_of = idx // row_len if rows > 1 else None
@@ -267,29 +312,66 @@ def _encode_block(item: StepItem, block: Region, codec: Codec, files: _Files) ->
                 r_last = int(row_of[stop - 1])
                 region = Region(flat(r * row_len), r_last - r + 1, row_len, block.row_stride)
                 local = idx[start:stop] - r * row_len
-        chunks.append(_add_chunk(item, codec, files, start, stop, local, region, codec_key=region.offset))
+        yield start, stop, local, region, region.offset
         start = stop
-    return chunks
+
+
+def _in_order(jobs: Iterator[tuple[int, Callable[[], Any]]], threads: int
+              ) -> Generator[tuple[int, Any], None, None]:
+    """``(tag, job())`` for each ``(tag, job)``, in order; ``threads > 1``: the jobs run on a pool,
+    at most ``2 * threads`` started and not yet taken. The first error is raised in order; jobs
+    not started then never start."""
+    if threads <= 1:
+        for tag, job in jobs:
+            yield tag, job()
+        return
+    window: collections.deque[tuple[int, Future[Any]]] = collections.deque()
+    with ThreadPoolExecutor(threads, thread_name_prefix="deltasync-encode") as pool:
+        try:
+            for tag, job in jobs:
+                window.append((tag, pool.submit(job)))
+                if len(window) >= 2 * threads:
+                    tag0, future = window.popleft()
+                    yield tag0, future.result()
+            while window:
+                tag0, future = window.popleft()
+                yield tag0, future.result()
+        finally:
+            for _, future in window:
+                future.cancel()
 
 
 def write_files(store: Store, loop: BackgroundLoop, step: int, kind: Kind, items: list[StepItem], *,
                 codec: str, max_file_bytes: int, timeout_s: float, version: int = SCHEMA_VERSION,
-                writer: str | None = None, attempt: str | None = None,
+                writer: str | None = None, attempt: str | None = None, encode_threads: int = 0,
                 ) -> tuple[tuple[FileEntry, ...], tuple[TensorEntry, ...]]:
     """Encode ``items`` and write their data files (one attempt folder); no manifest.
+
+    ``encode_threads``: threads that encode chunks (0: one per core, at most 8); the bytes
+    written do not depend on it.
 
     Returns the file entries and one tensor entry per item, chunks numbered into those files.
     The ranks of a sharded job each call this for their own blocks; one of them merges the
     results into the manifest (``trainer/sharded.py``).
     """
+    threads = encode_threads_for(encode_threads)
     files = _Files(store, loop, step, kind, max_file_bytes, timeout_s, version,
                    writer if version >= 2 else None, attempt)
     dense, sparse = get_codec("dense"), get_codec(codec)
-    pending = []
+    pending: list[tuple[StepItem, Codec, list[_PendingChunk]]] = []
+    for item in items:
+        pending.append((item, dense if item.indices is None else sparse, []))
+
+    def jobs() -> Iterator[tuple[int, Callable[[], Any]]]:
+        for k, (item, codec_of, _) in enumerate(pending):
+            for plan in _plan_item(item, codec_of, files):
+                yield k, functools.partial(_encode_chunk, item, codec_of, plan)
+
     try:
-        for item in items:
-            codec_of = dense if item.indices is None else sparse
-            pending.append((item, codec_of, _encode_item(item, codec_of, files)))
+        with contextlib.closing(_in_order(jobs(), threads)) as encoded:  # an error: the pool stops
+            for k, (chunk, tensors) in encoded:
+                files.add(pending[k][0].name, tensors, chunk)
+                pending[k][2].append(chunk)
     finally:
         file_entries = files.finish()
     merged: dict[str, TensorEntry] = {}  # several blocks of one tensor: one entry
@@ -309,21 +391,21 @@ def write_step(store: Store, loop: BackgroundLoop, step: int, kind: Kind, base_s
                anchor_step: int, fp: str, totals: tuple[int, int], items: list[StepItem], *,
                codec: str, max_file_bytes: int, timeout_s: float, version: int = SCHEMA_VERSION,
                run_id: str | None = None, writer: str | None = None, base_id: str | None = None,
-               resumed_from: int | None = None) -> Manifest:
+               resumed_from: int | None = None, encode_threads: int = 0) -> Manifest:
     """Write the data files of one step, then its manifest. Returns the committed manifest,
     its ``identity`` set from the bytes written.
 
     ``version`` 3 (default) and 2 need ``run_id`` and ``writer`` (lowercase hex) and write
     ``base_id`` (a delta: the identity of the manifest it was computed from) and
     ``resumed_from`` (an anchor, optional); 1 writes the old format (no writer token, no
-    identities, chunks placed by position).
+    identities, chunks placed by position). ``encode_threads``: as in ``write_files``.
     """
     if version not in (1, 2, 3) or (version >= 2 and not (run_id and writer)):
         raise FormatError(f"write_step: format version {version!r} needs run_id and writer (v2, v3) "
                           "or is unknown")
     file_entries, entries = write_files(
         store, loop, step, kind, items, codec=codec, max_file_bytes=max_file_bytes,
-        timeout_s=timeout_s, version=version, writer=writer)
+        timeout_s=timeout_s, version=version, writer=writer, encode_threads=encode_threads)
     manifest = Manifest(
         step=step, kind=kind, base_step=base_step, anchor_step=anchor_step,
         created_at=time.time(), fingerprint=fp, files=file_entries, tensors=entries,

@@ -120,6 +120,7 @@ class DeltaPublisher:
         format_version: int = SCHEMA_VERSION,
         resumed_from: int | None = None,
         previous_on: str = "device",
+        encode_threads: int = 0,
     ) -> None:
         """
         Args:
@@ -159,6 +160,8 @@ class DeltaPublisher:
                 elements are copied to the host) or ``"host"`` (host memory; the parameters
                 stream through one bounded pinned buffer). CPU parameters always diff on the
                 host, in place, without a second copy (docs/trainer.md, "The diff").
+            encode_threads: threads that encode a step's chunks while its files upload (0: one
+                per available core, at most 8); the bytes published do not depend on it.
         """
         _check_options(anchor_every, keep_anchors, max_file_bytes, max_pending_steps)
         if format_version not in (1, 2, 3):
@@ -188,6 +191,9 @@ class DeltaPublisher:
             raise ConfigError(f"DeltaPublisher: previous_on={previous_on!r} must be 'device' (the "
                               "previous step's copy beside each parameter) or 'host'")
         self.previous_on = previous_on
+        if isinstance(encode_threads, bool) or not isinstance(encode_threads, int) or encode_threads < 0:
+            raise ConfigError(f"DeltaPublisher: encode_threads={encode_threads!r} must be an integer "
+                              ">= 0 (0: one per available core, at most 8)")
         self._differ = Differ(previous_on=previous_on)
         self._explicit_tokens = (run_id is not None, writer_token is not None)
         self._group: sharded.RankGroup | None = None
@@ -197,6 +203,7 @@ class DeltaPublisher:
         self.anchor_every = anchor_every
         self.keep_anchors = keep_anchors
         self.max_file_bytes = max_file_bytes
+        self.encode_threads = encode_threads
         self.codec = codec
         self.on_commit = on_commit
         self.timeout_s = timeout_s
@@ -510,6 +517,7 @@ class DeltaPublisher:
                     max_file_bytes=self.max_file_bytes, timeout_s=self.timeout_s,
                     version=self.format_version, run_id=self.run_id, writer=self.writer_token,
                     base_id=self._base_id(job), resumed_from=self._resumed_from(job),
+                    encode_threads=self.encode_threads,
                 )
         except AlreadyExistsError as exc:
             other = self._run(self._writer_of(job.step)) if v2 else None
@@ -556,7 +564,7 @@ class DeltaPublisher:
         files, tensors = write_files(
             self._store, self._loop, job.step, job.kind, job.items, codec=self.codec,
             max_file_bytes=self.max_file_bytes, timeout_s=self.timeout_s, writer=self.writer_token,
-            attempt=attempt)
+            attempt=attempt, encode_threads=self.encode_threads)
         sharded.failpoint(group.rank, job.step)
         template = Manifest(step=job.step, kind=job.kind, base_step=job.base_step,
                             anchor_step=job.anchor_step, created_at=time.time(),
