@@ -93,6 +93,7 @@ class Differ:
         self._base: dict[str, _Baseline] = {}
         self._pinned: torch.Tensor | None = None
         self._pool: ThreadPoolExecutor | None = None
+        self._local = threading.local()
         # compile the fused pass now, off the training thread: the first delta finds it ready
         threading.Thread(target=_kernel, name="deltasync-diff-compile", daemon=True).start()
 
@@ -189,6 +190,16 @@ class Differ:
         return Diff(bits.numel(), None, bits.view(torch.bfloat16), None)
 
     # ------------------------------------------------------------------ host path
+    def _buffers(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """This thread's output buffers of the fused pass, kept between calls: fresh 12 MiB
+        each call would be page-faulted in again every time."""
+        bufs = getattr(self._local, "bufs", None)
+        if bufs is None or bufs[0].size < self.chunk_elements:
+            bufs = (np.empty(self.chunk_elements, np.int64), np.empty(self.chunk_elements, np.int16),
+                    np.empty(self.chunk_elements, np.int16))
+            self._local.bufs = bufs
+        return bufs
+
     def _chunks(self, n: int, bounds: tuple[int, ...] = ()) -> list[tuple[int, int]]:
         """``[0, n)`` in pieces of at most ``chunk_elements``, split at every bound too."""
         step = self.chunk_elements
@@ -218,9 +229,7 @@ class Differ:
         changed = 0
         counts = [0] * (len(bounds) - 1)
         segment = 0
-        idx_buf = np.empty(self.chunk_elements, np.int64)
-        new_buf = np.empty(self.chunk_elements, np.int16)
-        old_buf = np.empty(self.chunk_elements, np.int16)
+        idx_buf, new_buf, old_buf = self._buffers()
         for start, stop in self._chunks(src.numel(), bounds):
             while start >= bounds[segment + 1]:
                 segment += 1
