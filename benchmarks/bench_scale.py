@@ -21,8 +21,10 @@ fetched, publish seconds, download seconds, verify + decode seconds with 1 and 2
 ``TensorPatch.apply_to`` scatter into a bf16 copy of the base, one thread), bit-exactness
 against the trainer's new tensors (asserted), and peak staging memory (growth of VmHWM over
 VmRSS after resetting VmHWM through ``/proc/self/clear_refs``, over the real reader path that
-holds every decoded patch of the step). Then extrapolated, and labelled so, to 58 MoE layers
-(DeepSeek-V3: 61 layers, the first 3 dense), to a node of 8 GPUs and to a fleet of replicas.
+holds every decoded patch of the step). Then extrapolated, and labelled so: per-element rates
+measured here (per core) are scaled to 58 / 60 MoE layers (DeepSeek-V3, a Kimi-K2-shaped 1T),
+to a stated trainer (1T on 256 GPUs, expert parallel x FSDP, the sharded publisher) and to a
+rollout fleet (EP=32 replicas of 8-GPU nodes); every assumed rate is a named constant below.
 
 Memory: tensors are generated one at a time; the reader's base copy is rebuilt per tensor from
 the new tensor and the known ground-truth differences, so peak RSS stays ~3 copies of the share.

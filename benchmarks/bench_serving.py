@@ -64,9 +64,10 @@ STEPS = 16
 DENSITY = 0.01
 INTERVAL_S = 3.0
 RUNS = 3
-QUIET_ROUNDS = 8
-"""Quiet rounds: two per mode, each mode starting twice; single runs move by ~15% on this machine,
-the median of 8 interleaved runs of two engines of one mode agreed within ~4%."""
+QUIET_ROUNDS = 6
+"""Quiet rounds, the starting engine rotating; single runs move by ~15% on this machine, the
+median of 8 interleaved runs of two engines of one mode agreed within ~4% (6 since 0.5, to keep
+``make bench`` near 20 minutes)."""
 WORKLOADS = {"1 x 256 tokens": (1, 256), "16 x 64 tokens": (16, 64)}
 
 
