@@ -94,8 +94,11 @@ class Differ:
         self._pinned: torch.Tensor | None = None
         self._pool: ThreadPoolExecutor | None = None
         self._local = threading.local()
-        # compile the fused pass now, off the training thread: the first delta finds it ready
-        threading.Thread(target=_kernel, name="deltasync-diff-compile", daemon=True).start()
+        # The fused pass compiles at the first delta (~0.3 s from numba's disk cache, ~1 s
+        # without), not here: importing numba loads llvmlite, and vLLM 0.32's CPU platform then
+        # fails to start an in-process engine in this process (its triton override scan of
+        # sys.modules trips over llvmlite's function wrappers), so a trainer that starts a
+        # colocated engine after its publisher must not find numba loaded by the publisher.
 
     def __contains__(self, name: str) -> bool:
         return name in self._base
