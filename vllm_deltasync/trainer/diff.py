@@ -239,7 +239,8 @@ class Differ:
             new = self._host_chunk(src, start, stop).numpy()
             base = last[start:stop]
             if kernel is not None:
-                k = int(kernel(new, base, _words(new), _words(base), idx_buf, new_buf, old_buf, start))
+                new64, base64 = _words(new, base)
+                k = int(kernel(new, base, new64, base64, idx_buf, new_buf, old_buf, start))
                 if k and not full:
                     found_idx.append(idx_buf[:k].copy())
                     found_new.append(new_buf[:k].copy())
@@ -337,11 +338,14 @@ def _fused_diff(new, last, new64, last64, idx, new_out, old_out, offset):  # typ
     return k
 
 
-def _words(a: np.ndarray) -> np.ndarray:
-    """The leading whole int64 words of an int16 array (none if it is not 8-byte aligned)."""
-    if a.ctypes.data % 8:
-        return np.empty(0, np.int64)
-    return a[: a.size // 4 * 4].view(np.int64)
+def _words(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The leading whole int64 words of two int16 arrays of one size, or none for both where
+    either is not 8-byte aligned (a parameter that is a view at an odd element offset): the
+    fused pass reads word ``j`` of both, so they must cover the same elements."""
+    if a.ctypes.data % 8 or b.ctypes.data % 8:
+        return np.empty(0, np.int64), np.empty(0, np.int64)
+    n = a.size // 4 * 4
+    return a[:n].view(np.int64), b[:n].view(np.int64)
 
 
 _KERNEL: list[Any] = []
@@ -370,7 +374,7 @@ def _compile() -> Any:
         new = np.array([1, 2, 3, 4, 5, 6], np.int16)
         last = np.array([1, 9, 3, 4, 5, 0], np.int16)
         idx, nv, ov = np.empty(6, np.int64), np.empty(6, np.int16), np.empty(6, np.int16)
-        k = jitted(new, last, _words(new), _words(last), idx, nv, ov, 10)
+        k = jitted(new, last, *_words(new, last), idx, nv, ov, 10)
         if (k != 2 or idx[:2].tolist() != [11, 15] or nv[:2].tolist() != [2, 6]
                 or ov[:2].tolist() != [9, 0] or last.tolist() != new.tolist()):
             raise RuntimeError("self-check failed")
