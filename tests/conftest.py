@@ -71,6 +71,30 @@ def free_port(n: int = 1) -> int:
 
 T = TypeVar("T")
 
+
+NO_PACKING = ("vLLM's CPU build packs no bf16 linear weight on this host (no AVX-512: oneDNN "
+              "makes no bf16 matmul primitive and vLLM falls back to torch's linear on the "
+              "parameter), so there is no packed copy for the packed mode to refresh")
+
+
+def vllm_packs_bf16_linears() -> bool:
+    """Whether vLLM's own CPU GEMM dispatch, on this host, makes bf16 linear layers compute
+    from a packed copy of their weight (the packed mode's tests need one). Imports vLLM."""
+    from types import SimpleNamespace
+
+    import torch
+    import vllm.model_executor.layers.utils as layer_utils
+
+    from vllm_deltasync.server.vllm.cpu_gemm import reads_its_weight
+
+    dispatch = layer_utils.dispatch_cpu_unquantized_gemm
+    original = getattr(dispatch, "_deltasync_original", dispatch)
+    weight = torch.nn.Parameter(torch.randn(256, 128, generator=torch.Generator().manual_seed(0))
+                                .to(torch.bfloat16), requires_grad=False)
+    layer = SimpleNamespace(weight=weight, bias=None, cpu_linear=None)
+    original(layer, False)
+    return not reads_its_weight(layer.cpu_linear, weight)
+
 # Engines in tests run the in-place kernels GPUs use (the CPU default packs them:
 # SyncConfig.cpu_kernels); subprocesses inherit this. tests/engine/test_packed.py and
 # tests/shardmap/test_packed.py run the packed mode. Set the variable to run every engine

@@ -29,6 +29,7 @@ import pytest
 from examples.toymodel import build_model
 from vllm_deltasync import DeltaPublisher
 
+from ..conftest import NO_PACKING, vllm_packs_bf16_linears
 from .conftest import (
     FreshOutputs,
     Trainer,
@@ -54,6 +55,8 @@ FAIL_STEP = 3
 def test_packed_kernels_follow_and_equal_a_stock_engine(
     request: pytest.FixtureRequest, tmp_path: Path, fresh_outputs: FreshOutputs,
 ) -> None:
+    if not vllm_packs_bf16_linears():
+        pytest.skip(NO_PACKING)
     tp = 2
     model_dir = build_model(tmp_path / "model", "qwen2", num_kv_heads=2, tie_word_embeddings=True,
                             seed=71)

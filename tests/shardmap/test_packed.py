@@ -21,12 +21,14 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import pytest
 import torch
 
 from vllm_deltasync.config import SyncConfig
 from vllm_deltasync.server.worker.packed import PackedLayers
 from vllm_deltasync.server.worker.rank import RankState
 
+from ..conftest import NO_PACKING
 from .conftest import TPWorld, live_checkpoint
 
 
@@ -46,7 +48,11 @@ def _packed_rank(tp_world: TPWorld, tmp_path: Path) -> RankState:
     worker = SimpleNamespace(
         rank=0, model_runner=SimpleNamespace(model=live),
         vllm_config=SimpleNamespace(model_config=SimpleNamespace(model=str(ckpt))))
-    return RankState(worker, SyncConfig(url=f"file://{tmp_path}/bucket"))
+    state = RankState(worker, SyncConfig(url=f"file://{tmp_path}/bucket"))
+    if not state.packed:
+        state.close()
+        pytest.skip(NO_PACKING)
+    return state
 
 
 def _input(module: torch.nn.Module) -> torch.Tensor:
@@ -173,3 +179,40 @@ def test_kernels_packed_ahead_equal_kernels_packed_at_the_switch(
         assert packed.status()["prebuilt_used"] == 1
     finally:
         state.poller.close()
+
+
+def test_only_layers_vllm_packed_are_refreshed() -> None:
+    """``reads_its_weight`` tells a kernel computing from the weight it is given (torch's linear,
+    vLLM's fallback where it packs nothing) from one reading a copy made at load; with vLLM's
+    real dispatch on this host, ``install_packed`` marks a layer for refresh exactly when vLLM
+    packed it, and either way the layer computes from its written weight once refreshed."""
+    import torch.nn.functional as F
+    import vllm.model_executor.layers.utils as layer_utils
+
+    from vllm_deltasync.server.vllm.cpu_gemm import install_packed, reads_its_weight
+    from vllm_deltasync.server.worker.packed import REPACK_ATTR
+
+    from ..conftest import vllm_packs_bf16_linears
+
+    w = torch.randn(32, 16).to(torch.bfloat16)
+    copy = w.clone()
+
+    def broken(x: torch.Tensor, weight: torch.Tensor, bias: Any) -> torch.Tensor:
+        raise RuntimeError("no kernel")
+
+    assert reads_its_weight(lambda x, weight, bias: F.linear(x, weight, bias), w)
+    assert not reads_its_weight(lambda x, weight, bias: F.linear(x, copy, bias), w)
+    assert not reads_its_weight(broken, w)  # in doubt: treated as packed (always correct)
+
+    dispatch = layer_utils.dispatch_cpu_unquantized_gemm
+    original = getattr(dispatch, "_deltasync_original", dispatch)
+    layer = torch.nn.Linear(128, 256, bias=False).to(torch.bfloat16).requires_grad_(False)
+    install_packed(original, layer)
+    marked = getattr(layer, REPACK_ATTR, None) is not None
+    assert marked == vllm_packs_bf16_linears()
+    x = torch.randn(3, 128).to(torch.bfloat16)
+    layer.weight.add_(1.0)  # a switch's in-place write
+    if marked:
+        layer.cpu_linear = getattr(layer, REPACK_ATTR)()
+    torch.testing.assert_close(layer.cpu_linear(x, layer.weight, None).float(),
+                               F.linear(x, layer.weight).float(), rtol=2e-2, atol=2e-1)

@@ -100,7 +100,35 @@ def install_packed(original: Any, layer: torch.nn.Module) -> None:
 
         return linear
 
-    layer.cpu_linear = repack()  # type: ignore[assignment]
+    kernel = repack()
+    layer.cpu_linear = kernel  # type: ignore[assignment]
+    if reads_its_weight(kernel, layer.weight):
+        # vLLM packed nothing for this layer (bf16 on a CPU without AVX-512: oneDNN makes no
+        # bf16 primitive there and vLLM falls back to torch's linear on the weight it is
+        # given): the layer computes from its parameter, as in "inplace"; nothing to refresh
+        return
     setattr(layer, REPACK_ATTR, repack)
+
+
+def reads_its_weight(kernel: Any, weight: Any) -> bool:
+    """Whether ``kernel(x, weight, bias)`` computes from the ``weight`` it is given rather than
+    from a packed copy: fed two different weights (all zeros, all ones; stride-0 views, no
+    allocation) it matches ``torch.nn.functional.linear`` on both, which a kernel reading a
+    copy packed at load cannot. Any doubt (an error) answers False: the layer is then treated
+    as packed and refreshed after each write, which is always correct."""
+    if not isinstance(weight, torch.Tensor) or weight.ndim != 2 or weight.is_meta:
+        return False
+    n, k = weight.shape
+    try:
+        with torch.no_grad():
+            x = torch.ones(1, k, dtype=weight.dtype)
+            for fill in (0.0, 1.0):
+                probe = torch.full((), fill, dtype=weight.dtype).expand(n, k)
+                if not torch.equal(kernel(x, probe, None),
+                                   torch.nn.functional.linear(x, probe, None)):
+                    return False
+    except Exception:  # noqa: BLE001 - see the docstring
+        return False
+    return True
 
 

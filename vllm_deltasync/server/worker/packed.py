@@ -24,7 +24,8 @@ packed copy of the touched layers until the switch, so they are built only when 
 ``max_staged_bytes``.
 
 The packing itself is vLLM's and lives in ``server/vllm/cpu_gemm.py`` (the vLLM boundary): it puts
-a ``_deltasync_repack`` callable on each packed layer, which returns a new kernel for the
+a ``_deltasync_repack`` callable on each layer vLLM packed (none where vLLM keeps computing
+from the parameter, e.g. bf16 on a CPU without AVX-512), which returns a new kernel for the
 layer's current weights without installing it. This module only finds those layers and swaps
 kernels, so it imports no vLLM.
 """
