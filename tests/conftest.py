@@ -77,22 +77,28 @@ NO_PACKING = ("vLLM's CPU build packs no bf16 linear weight on this host (no AVX
               "parameter), so there is no packed copy for the packed mode to refresh")
 
 
+def vllm_cpu_dispatch() -> Any:
+    """vLLM's own ``dispatch_cpu_unquantized_gemm`` (the one our plugin's patch wraps, if
+    installed in this process). Imports vLLM."""
+    import vllm.model_executor.layers.utils as layer_utils
+
+    dispatch = layer_utils.dispatch_cpu_unquantized_gemm
+    return getattr(dispatch, "_deltasync_original", dispatch)
+
+
 def vllm_packs_bf16_linears() -> bool:
     """Whether vLLM's own CPU GEMM dispatch, on this host, makes bf16 linear layers compute
     from a packed copy of their weight (the packed mode's tests need one). Imports vLLM."""
     from types import SimpleNamespace
 
     import torch
-    import vllm.model_executor.layers.utils as layer_utils
 
     from vllm_deltasync.server.vllm.cpu_gemm import reads_its_weight
 
-    dispatch = layer_utils.dispatch_cpu_unquantized_gemm
-    original = getattr(dispatch, "_deltasync_original", dispatch)
     weight = torch.nn.Parameter(torch.randn(256, 128, generator=torch.Generator().manual_seed(0))
                                 .to(torch.bfloat16), requires_grad=False)
     layer = SimpleNamespace(weight=weight, bias=None, cpu_linear=None)
-    original(layer, False)
+    vllm_cpu_dispatch()(layer, False)
     return not reads_its_weight(layer.cpu_linear, weight)
 
 # Engines in tests run the in-place kernels GPUs use (the CPU default packs them:

@@ -28,19 +28,17 @@ from vllm_deltasync.config import SyncConfig
 from vllm_deltasync.server.worker.packed import PackedLayers
 from vllm_deltasync.server.worker.rank import RankState
 
-from ..conftest import NO_PACKING
+from ..conftest import NO_PACKING, vllm_cpu_dispatch, vllm_packs_bf16_linears
 from .conftest import TPWorld, live_checkpoint
 
 
 def _packed_rank(tp_world: TPWorld, tmp_path: Path) -> RankState:
-    import vllm.model_executor.layers.utils as layer_utils
     from vllm.model_executor.layers.linear import LinearBase
     from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
 
     from vllm_deltasync.server.vllm.cpu_gemm import install_packed as _install_packed
 
-    dispatch = layer_utils.dispatch_cpu_unquantized_gemm
-    original = getattr(dispatch, "_deltasync_original", dispatch)
+    original = vllm_cpu_dispatch()
     ckpt, live, _ = live_checkpoint(tp_world, tmp_path, "qwen2_bias", seed=5)
     for module in live.modules():
         if isinstance(module, (LinearBase, ParallelLMHead)):
@@ -187,12 +185,9 @@ def test_only_layers_vllm_packed_are_refreshed() -> None:
     real dispatch on this host, ``install_packed`` marks a layer for refresh exactly when vLLM
     packed it, and either way the layer computes from its written weight once refreshed."""
     import torch.nn.functional as F
-    import vllm.model_executor.layers.utils as layer_utils
 
     from vllm_deltasync.server.vllm.cpu_gemm import install_packed, reads_its_weight
     from vllm_deltasync.server.worker.packed import REPACK_ATTR
-
-    from ..conftest import vllm_packs_bf16_linears
 
     w = torch.randn(32, 16).to(torch.bfloat16)
     copy = w.clone()
@@ -204,10 +199,8 @@ def test_only_layers_vllm_packed_are_refreshed() -> None:
     assert not reads_its_weight(lambda x, weight, bias: F.linear(x, copy, bias), w)
     assert not reads_its_weight(broken, w)  # in doubt: treated as packed (always correct)
 
-    dispatch = layer_utils.dispatch_cpu_unquantized_gemm
-    original = getattr(dispatch, "_deltasync_original", dispatch)
     layer = torch.nn.Linear(128, 256, bias=False).to(torch.bfloat16).requires_grad_(False)
-    install_packed(original, layer)
+    install_packed(vllm_cpu_dispatch(), layer)
     marked = getattr(layer, REPACK_ATTR, None) is not None
     assert marked == vllm_packs_bf16_linears()
     x = torch.randn(3, 128).to(torch.bfloat16)
