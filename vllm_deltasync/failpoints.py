@@ -1,56 +1,88 @@
-"""Every test-only failpoint of the package, in one place (issue 24, item 6).
+"""Test-only failpoints: one variable, one format, one function.
 
-Each is an environment variable read by the module named; none is a setting, none is read
-unless set, and none may be set in production. Tests set them in the environment of the
-process they start (engines, workers, trainers) to make one thing fail at one place, so the
-failure paths run in real components rather than in mocks.
+``DELTASYNC_FAILPOINTS`` holds ``name=arg/arg/...`` entries separated by ``;``. Tests set it in
+the environment of the processes they start (engines, workers, trainers) so that one thing
+fails at one place and the failure paths run in real components rather than in mocks. Nothing
+reads it unless set; it is never a setting and is never set in production. No failpoint makes
+the package import or run code it names.
+
+Every failpoint the package knows, its arguments, and where it fires:
+
+``switch=<step>/<ticks>`` (engine core): the policy's switch to ``step`` raises after every
+rank applied it and before the prefix-cache reset (once per process), then the next ``ticks``
+ticks raise at their start (a fault that persists).
+
+``apply_rpc=<model>/<rank>/<step>[/dirty]`` (worker): that rank's ``deltasync_apply`` of that
+step of target ``model`` raises out of the RPC before writing anything, so the engine core's
+apply broadcast itself raises while the other ranks wrote. ``dirty``: as if it had failed
+mid-write without putting back (its revert answers ``unknown``). Use the last rank: vLLM's
+multiprocessing executor stops reading answers at the first failed rank.
+
+``apply=<model>/<rank>/<step>/<pieces>`` (worker): that rank's apply of that step raises after
+writing ``pieces`` pieces (it puts them back).
+
+``commit=<model>/<rank>/<step>`` (worker): that rank's commit of that step raises (answered
+``failed``; the switch stays pending there and is committed again at the next ticks).
+
+``switch_every_steps=<n>`` (engine core): the policy's switches start only from a tick run
+after every ``n`` model steps (tests/engine's test plugin calls it), never from the timer.
+
+``no_layouts=1`` (worker): skip learning runtime layouts (the startup proof must refuse).
+
+``surface_break=<symbol>[/<symbol>...]`` (any process): those rows of the vLLM surface are
+reported missing (``*``: the first row), to see the refusal path without a broken vLLM.
+
+``shard=<rank>/<step>`` (sharded trainer): that rank's upload of that step raises after its
+data files are written and before its part record.
+
+Each entry fires at most once per process unless its description says otherwise (:func:`once`).
 """
 
 from __future__ import annotations
 
-FAIL_SWITCH_ENV = "DELTASYNC_TEST_FAIL_SWITCH"
-"""``"<step>:<ticks>"`` (``server/engine/coordinator.py``): the switch to ``step`` raises after
-every rank applied it and before the prefix-cache reset (once per process), then the next
-``ticks`` ticks raise at their start (a fault that persists)."""
+import os
+import threading
+from collections.abc import Mapping
 
-FAIL_APPLY_RPC_ENV = "DELTASYNC_TEST_FAIL_APPLY_RPC"
-"""``"<rank>:<step>[:dirty]"``, several separated by commas, each firing once per process
-(``server/extension.py``): that rank's ``deltasync_apply`` of that step raises out of the RPC
-before writing anything, so the engine core's apply broadcast itself raises while the other
-ranks wrote the step. ``dirty``: the rank also behaves as if it had failed mid-write without
-putting back (its ``deltasync_revert`` then resets and answers False, so the engine holds). It
-raises an ``Exception``: vLLM's worker turns that into a failed RPC, while any other
-``BaseException`` ends the worker process. Use the last rank: vLLM's multiprocessing executor
-stops reading answers at the first failed rank."""
+VARIABLE = "DELTASYNC_FAILPOINTS"
 
-SWITCH_EVERY_STEPS_ENV = "DELTASYNC_TEST_SWITCH_EVERY_STEPS"
-"""``"<n>"`` (``server/engine/coordinator.py``): switches start only from a tick the engine runs
-after every ``n`` model steps, never from the timer (which keeps reading status and finishing
-drains), so a test knows a switch lands inside the batch it is generating. The engine calls
-``Coordinator.after_model_step`` only through the test hook that wraps its step
-(tests/engine/engine_hooks.py, run by :data:`ENGINE_HOOK_ENV`)."""
+NAMES = frozenset({"switch", "apply_rpc", "apply", "commit", "switch_every_steps",
+                   "no_layouts", "surface_break", "shard"})
 
-ENGINE_HOOK_ENV = "DELTASYNC_TEST_ENGINE_HOOK"
-"""``"module:function"`` (``server/vllm/engine.py``): called as ``function(engine_core,
-coordinator)`` once the coordinator of an engine core started, so that a test-only patch of
-vLLM lives in the tests."""
+_fired: set[tuple[str, tuple[str, ...]]] = set()
+_lock = threading.Lock()
 
-FAIL_APPLY_ENV = "DELTASYNC_TEST_FAIL_APPLY"
-"""``"<rank>:<step>:<pieces>"`` (``server/worker/rank.py``): that rank's apply of that step raises
-after writing ``pieces`` pieces, once per process (a failed switch must be taken back on every
-rank)."""
 
-NO_LAYOUTS_ENV = "DELTASYNC_TEST_NO_LAYOUTS"
-"""``1`` (``server/worker/rank.py``): skip learning runtime layouts, forcing the checkpoint
-layout onto parameters a kernel rearranged (the startup proof must then refuse)."""
+def armed(name: str, environ: Mapping[str, str] | None = None) -> list[tuple[str, ...]]:
+    """The arguments of every ``name=...`` entry of :data:`VARIABLE` (none: ``[]``)."""
+    if name not in NAMES:
+        raise ValueError(f"failpoint {name!r} is not one of {sorted(NAMES)}")
+    text = (os.environ if environ is None else environ).get(VARIABLE, "")
+    out = []
+    for entry in text.split(";"):
+        key, sep, value = entry.strip().partition("=")
+        if sep and key.strip() == name:
+            out.append(tuple(a.strip() for a in value.split("/")))
+    return out
 
-SURFACE_BREAK_ENV = "DELTASYNC_TEST_SURFACE_BREAK"
-"""Comma-separated names of ``server/vllm/surface.py``'s ``SURFACE`` entries (``*``: the first)
-that its check reports missing, to see the refusal path without a broken vLLM."""
 
-FAIL_SHARD_ENV = "DELTASYNC_TEST_FAIL_SHARD"
-"""``"<rank>:<step>"`` (``trainer/sharded.py``): that rank's upload of that step raises after its
-data files are written and before its part record (a rank failing mid-step, staying alive)."""
+def once(name: str, args: tuple[str, ...]) -> bool:
+    """True the first time an entry fires in this process, False after."""
+    with _lock:
+        if (name, args) in _fired:
+            return False
+        _fired.add((name, args))
+        return True
 
-__all__ = ["ENGINE_HOOK_ENV", "FAIL_APPLY_ENV", "FAIL_APPLY_RPC_ENV", "FAIL_SHARD_ENV",
-           "FAIL_SWITCH_ENV", "NO_LAYOUTS_ENV", "SURFACE_BREAK_ENV", "SWITCH_EVERY_STEPS_ENV"]
+
+def spec(name: str, *args: object) -> str:
+    """One entry, for tests building the variable: ``spec("apply", "policy", 1, 3, 2)``."""
+    return f"{name}=" + "/".join(str(a) for a in args)
+
+
+def env(*entries: str) -> dict[str, str]:
+    """The environment setting these entries (``{VARIABLE: "a=...;b=..."}``)."""
+    return {VARIABLE: ";".join(entries)}
+
+
+__all__ = ["NAMES", "VARIABLE", "armed", "env", "once", "spec"]

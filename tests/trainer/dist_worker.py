@@ -34,7 +34,7 @@ import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from vllm_deltasync import DeltaPublisher
+from vllm_deltasync import DeltaPublisher, failpoints
 from vllm_deltasync.errors import PublishError
 
 WRITER = "5a4dc0de5a4dc0de"
@@ -231,7 +231,7 @@ def tp(url: str, out: Path, args: argparse.Namespace, *, fail: bool = False) -> 
         params[name] = full[name].clone() if shape is None else distribute_tensor(
             full[name].clone(), meshes[shape], placements)
     if fail:
-        os.environ["DELTASYNC_TEST_FAIL_SHARD"] = "1:2"
+        os.environ.update(failpoints.env(failpoints.spec("shard", 1, 2)))
     report: dict = {"errors": []}
     gen = torch.Generator().manual_seed(11)  # the same on every rank: replicas stay equal
     with DeltaPublisher(url, anchor_every=4, writer_token=WRITER, timeout_s=args.timeout) as pub:

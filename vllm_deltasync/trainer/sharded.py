@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from vllm_deltasync.errors import FormatError, PublishError
-from vllm_deltasync.failpoints import FAIL_SHARD_ENV
+from vllm_deltasync import failpoints
 from vllm_deltasync.format.layout import DATA_DIR, STEP_DIGITS
 from vllm_deltasync.format.manifest import (
     Chunk,
@@ -50,7 +50,6 @@ from vllm_deltasync.format.manifest import (
 )
 from vllm_deltasync.stores import Store
 
-FAILPOINT_ENV = FAIL_SHARD_ENV
 
 
 PART_NAME = "part.json"
@@ -248,10 +247,10 @@ def part_manifest(template: Manifest, files: tuple[FileEntry, ...],
 
 
 def failpoint(rank: int, step: int) -> None:
-    spec = os.environ.get(FAILPOINT_ENV)
-    if spec and spec == f"{rank}:{step}":
-        raise RuntimeError(f"failpoint {FAILPOINT_ENV}: rank {rank} fails step {step} after "
-                           "writing its data files")
+    """Test-only (``failpoints.py``, ``shard=<rank>/<step>``)."""
+    if (str(rank), str(step)) in failpoints.armed("shard"):
+        raise RuntimeError(f"failpoint shard: rank {rank} fails step {step} after writing its "
+                           "data files")
 
 
 _RANK_SUFFIX = re.compile(r"[0-9a-f]{4,}")
@@ -368,5 +367,5 @@ def merge_parts(parts: list[Manifest], totals: tuple[int, int]) -> Manifest:
                                  sum(f.size for f in files)))
 
 
-__all__ = ["FAILPOINT_ENV", "LocalShard", "RankGroup", "blocks", "collect_parts", "describe",
+__all__ = ["LocalShard", "RankGroup", "blocks", "collect_parts", "describe",
            "has_dtensor", "merge_parts", "placement_digest", "placement_disagreement"]

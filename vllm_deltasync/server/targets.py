@@ -1,0 +1,179 @@
+"""What a server keeps in sync: the followed targets, one row each.
+
+A *target* is one set of weights the server follows from a bucket: the policy, the speculative
+drafter, and next LoRA adapters or FP8 weights. Everything that differs between them is a row
+of :data:`TARGETS`; the machinery that follows them is one and the same (the rank's
+``TargetRank`` in ``server/worker/rank.py``, the engine core's ``TargetFollower`` and ``Switch``
+in ``server/engine/``) and never asks which target it has. A row says:
+
+- where its steps come from (:meth:`Target.source`: a bucket URL, and which tensor names of it
+  are this target's, under which name in its checkpoint);
+- which model object it writes (:meth:`Target.weights`, from the rank's typed view of the
+  worker) and whether the kernels' after-load layouts are learned for it;
+- how its startup proof runs (one collective forward through the runner, or each rank's own
+  modules);
+- its switch policy (:class:`SwitchPolicy`): whether an unknown state holds the engine or only
+  the target, whether a switch resets the prefix cache and sets vLLM's weight version, whether
+  it waits for a drain, whether the trainer drives it.
+
+A target's ``name`` is its label everywhere: the ``model`` label of the metrics, the ``model``
+argument of the ``deltasync_*`` RPCs, its key in a rank's status and in the engine status.
+Those names appear here and nowhere else in the package.
+
+Where a new target plugs in (docs/architecture.md, "Targets"): a row here with its source, its
+weights and its policy; a writer in ``server/worker/`` if its weights are not plain parameters
+written in place (LoRA adapters live in vLLM's adapter slots). Nothing else changes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from vllm_deltasync.config import SyncConfig
+
+if TYPE_CHECKING:
+    import torch
+
+    from vllm_deltasync.server.worker.view import WorkerView
+
+
+@dataclass(frozen=True)
+class SwitchPolicy:
+    """How the engine core switches a target (``server/engine/``)."""
+
+    holds_engine: bool
+    """When its ranks cannot say which weights they hold (a failed switch some rank could not
+    put back), no batch runs until every rank applied an anchor (the policy: a forward on
+    mixed weights would be wrong). False: only this target resyncs through an anchor while the
+    engine serves (the drafter: speculative decoding's output is the target model's whatever
+    the draft)."""
+    resets_prefix_cache: bool
+    """A switch drops the prefix cache (KV computed by the old weights), if the server's
+    ``reset_prefix_cache`` allows."""
+    labels_version: bool
+    """A switch sets vLLM's weight version to the step (``weight_versions`` spans, headers)."""
+    drains: bool
+    """With ``in_flight="drain"`` a switch waits for running requests."""
+    trainer_driven: bool
+    """Under the weight-transfer backend ``deltasync`` only the trainer's ``update_weights``
+    switches it (ticks only release a hold)."""
+
+
+@dataclass(frozen=True)
+class Source:
+    """Where a target's steps come from."""
+
+    config: SyncConfig
+    """The settings its rank state runs with (its bucket URL among them)."""
+    prefix: str = ""
+    """Only the bucket's tensors named ``prefix + name`` are this target's, ``name`` being the
+    checkpoint name (empty: every tensor not claimed by another target's prefix)."""
+    exclude: str = ""
+    """Tensors whose names start with this belong to another target and are skipped."""
+
+    def owns(self, bucket_name: str) -> bool:
+        if self.prefix:
+            return bucket_name.startswith(self.prefix)
+        return not (self.exclude and bucket_name.startswith(self.exclude))
+
+    def checkpoint_name(self, bucket_name: str) -> str:
+        return bucket_name[len(self.prefix):]
+
+
+Weights = tuple["torch.nn.Module", str]
+"""The model object a target writes and the directory of the checkpoint it was loaded from."""
+
+
+@dataclass(frozen=True)
+class Target:
+    """One followed target (module doc)."""
+
+    name: str
+    policy: SwitchPolicy
+    source: Callable[[SyncConfig], Source | None]
+    """Its source under the server's settings, None when this server does not follow it."""
+    weights: Callable[[WorkerView], Weights | None]
+    """The model it writes on this rank, None when the engine runs no such model."""
+    missing: str
+    """Why :attr:`weights` found none (the refusal line, with the fix)."""
+    learns_layouts: bool
+    """Its parameters may be rearranged by kernels after loading (MoE experts): learned at start."""
+    collective_proof: bool
+    """Check 2 of its startup proof is one forward of the whole engine (every rank at once,
+    ``deltasync_prove``); False: each rank checks through its own modules at start."""
+    surface_scope: str
+    """The rows of the vLLM surface its following relies on (``server/vllm/surface.py``)."""
+
+    def describe(self) -> str:
+        return self.name
+
+
+def _policy_source(config: SyncConfig) -> Source:
+    return Source(config, exclude=config.drafter_prefix)
+
+
+def _drafter_source(config: SyncConfig) -> Source | None:
+    if config.drafter_prefix:  # the draft's tensors in the policy's own bucket
+        return Source(dataclasses.replace(config, loaded_step=None, node_cache="off"),
+                      prefix=config.drafter_prefix)
+    if config.drafter_url:
+        return Source(dataclasses.replace(config, url=config.drafter_url, drafter_url="",
+                                          loaded_step=None))
+    return None
+
+
+POLICY = Target(
+    name="policy",
+    policy=SwitchPolicy(holds_engine=True, resets_prefix_cache=True, labels_version=True,
+                        drains=True, trainer_driven=True),
+    source=_policy_source,
+    weights=lambda view: (view.model, view.model_path),
+    missing="the worker has no model",
+    learns_layouts=True,
+    collective_proof=True,
+    surface_scope="engine",
+)
+
+DRAFTER = Target(
+    name="drafter",
+    policy=SwitchPolicy(holds_engine=False, resets_prefix_cache=False, labels_version=False,
+                        drains=False, trainer_driven=False),
+    source=_drafter_source,
+    weights=lambda view: view.drafter,
+    missing=("drafter_url or drafter_prefix is set but this engine runs no draft model of its "
+             "own (start it with speculative_config method 'draft_model' or 'eagle' and the "
+             "draft's checkpoint)"),
+    learns_layouts=False,
+    collective_proof=False,
+    surface_scope="drafter",
+)
+
+TARGETS: tuple[Target, ...] = (POLICY, DRAFTER)
+"""Every target, the policy first (it is built first on a rank: another target's bucket may
+be checked against its checkpoint). The engine core switches them in :data:`SWITCH_ORDER`."""
+
+SWITCH_ORDER: tuple[Target, ...] = (DRAFTER, POLICY)
+"""Within one tick: a target that never holds the engine first, so a policy switch that
+holds cannot keep the others from switching in the same pause."""
+
+
+def target(name: str) -> Target:
+    """The row named ``name``; a clear error for any other name."""
+    for row in TARGETS:
+        if row.name == name:
+            return row
+    from vllm_deltasync.errors import DeltaSyncError
+
+    raise DeltaSyncError(f"model={name!r} is not a followed target; use one of "
+                         f"{', '.join(repr(t.name) for t in TARGETS)}")
+
+
+def names() -> tuple[str, ...]:
+    return tuple(t.name for t in TARGETS)
+
+
+__all__ = ["DRAFTER", "POLICY", "SWITCH_ORDER", "TARGETS", "Source", "SwitchPolicy", "Target",
+           "Weights", "names", "target"]
