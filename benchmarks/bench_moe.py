@@ -11,12 +11,12 @@ are the gate and up projections; the down projections come on top). Measured:
 
 * **map build**: what a rank does at start before its proof: learn the layouts
   (``LayoutCache``, one per kernel and shape) and probe every checkpoint name through the
-  model's ``load_weights`` (``ShardMap.from_model``); the same code as ``RankState._build_map``.
+  model's ``load_weights`` (``ShardMap.from_model``); the same code as ``TargetRank._build_map``.
 * **step**: a relative delta changing 1% of every expert tensor's elements (random positions,
   a few bf16 ulps), once for the issue's 20,480 tensors of [64, 128] (gate and up) and once
   for all 30,720. *Staging* (poller thread, off the pause): translate to runtime indices
   through the learned layouts, merge per parameter, prepare. *Apply* (the engine's pause):
-  ``apply_patches`` with an ``Undo``, as ``RankState.apply`` does.
+  ``apply_patches`` with an ``Undo``, as ``RankSwitch.apply`` does.
 * **layout memory**: bytes of the learned layouts (and of the shard map's blocks) vs the
   expert weights' bytes.
 
@@ -134,6 +134,7 @@ def measure(layers: int = LAYERS) -> dict[str, Any]:
     from vllm_deltasync.server.vllm.worker import layout_specs as _layout_specs
     from vllm_deltasync.server.worker.apply import Undo, apply_patches, merge_pieces, prepare
     from vllm_deltasync.server.worker.layouts import LayoutCache
+    from vllm_deltasync.server.vllm.loaders import LOADER
     from vllm_deltasync.server.worker.shardmap import ShardMap, translate_all
 
     tmp = Path(tempfile.mkdtemp(prefix="bench-moe"))
@@ -157,7 +158,7 @@ def measure(layers: int = LAYERS) -> dict[str, Any]:
                 specs[name] = spec
         learn_s = time.perf_counter() - t0
         t1 = time.perf_counter()
-        shardmap = ShardMap.from_model(model, params, specs)
+        shardmap = ShardMap.from_model(model, params, specs, loader=LOADER)
         probe_s = time.perf_counter() - t1
         build_s = time.perf_counter() - t0
         build_cpu_s = time.process_time() - c0
@@ -223,7 +224,7 @@ def run(quick: bool = False) -> str:
         f"expert tensors (gate/up [64, 128], down [128, 64]), {r['names']:,} names in all; "
         f"expert weights {r['expert_bytes'] / 2**20:.0f} MiB. Deltas: relative, "
         f"{DENSITY:.0%} of the elements of every tensor they touch, applied with an undo as "
-        f"`RankState.apply` does. Torch threads {r['threads']}; load average at start "
+        f"`RankSwitch.apply` does. Torch threads {r['threads']}; load average at start "
         f"{r['load']:.1f} on this shared machine (other engines running: wall times are upper "
         "bounds).",
         "",

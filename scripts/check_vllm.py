@@ -5,7 +5,7 @@ the path of a ``.whl``. A requirement's wheel is downloaded once (``pip download
 --only-binary=:all:``) into ``--cache-dir`` (default ``~/.cache/vllm-deltasync/wheels``) and
 reused after that. The wheel is read as a zip and every entry of the table
 :data:`vllm_deltasync.server.vllm.surface.SURFACE` is looked up in its source with ``ast``
-(:func:`~vllm_deltasync.server.vllm.surface.check`): nothing is installed and vLLM is never
+(:func:`~vllm_deltasync.server.surface_check.check`): nothing is installed and vLLM is never
 imported. ``--installed`` checks the vLLM installed in this environment instead (or as well).
 
 For each wheel it prints a header (distribution and version), one line per symbol that is not
@@ -42,7 +42,7 @@ from collections.abc import Callable, Sequence
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
-from vllm_deltasync.server.vllm.surface import Finding, check, installed_source
+from vllm_deltasync.server.surface_check import Finding, check, installed_source
 
 DEFAULT_CACHE = Path.home() / ".cache" / "vllm-deltasync" / "wheels"
 _REQUIREMENT = re.compile(r"^([A-Za-z0-9](?:[A-Za-z0-9._-]*[A-Za-z0-9])?)==([A-Za-z0-9.+!_-]+)$")

@@ -187,12 +187,15 @@ def test_cli_inspect_verify_materialize(
 
 def test_cli_status() -> None:
     from vllm_deltasync.server import metrics
+    from vllm_deltasync.server.endpoint import MetricsServer
+    from vllm_deltasync.server.messages import RankStatus, TargetStatus
 
     m = metrics.SyncMetrics(bucket_url="file:///b", format_version=1)
-    server = metrics.MetricsServer(m, port=0, addr="127.0.0.1")
+    server = MetricsServer(m, port=0, addr="127.0.0.1")
     try:
-        m.update([{"rank": 0, "applied_step": 4, "newest_step": 5, "last_error": None,
-                   "applied_published_at": 100.0, "newest_published_at": 101.0}])
+        m.update([RankStatus({"policy": TargetStatus(
+            rank=0, model="policy", applied_step=4, newest_step=5, applied_published_at=100.0,
+            newest_published_at=101.0)}, "policy")])
         code, out = _cli("status", f"127.0.0.1:{server.port}")
     finally:
         server.close()

@@ -47,9 +47,14 @@ def _vllm_config(*, moe: bool, dp: int, index: int, url: str, port: int) -> Any:
     )
 
 
-def test_refused_layouts() -> None:
-    from vllm_deltasync.server.vllm.engine import unsupported_layout as _unsupported_layout
+def _unsupported_layout(vllm_config: Any) -> str | None:
+    from vllm_deltasync.server.engine.admission import unsupported_layout
+    from vllm_deltasync.server.vllm.engine import facts_of
 
+    return unsupported_layout(facts_of(vllm_config))
+
+
+def test_refused_layouts() -> None:
     reason = _unsupported_layout(_vllm_config(moe=True, dp=2, index=0, url="file:///b", port=0))
     assert reason is not None and "--data-parallel-size" in reason and "MoE" in reason
     assert _unsupported_layout(_vllm_config(moe=True, dp=1, index=0, url="file:///b", port=0)) is None
@@ -62,14 +67,13 @@ def test_refused_layouts() -> None:
 
 
 def test_metrics_port_is_offset_by_the_data_parallel_rank() -> None:
-    from vllm_deltasync.server.vllm.engine import engine_config as _engine_config
+    from vllm_deltasync.server.engine.admission import engine_config
 
     config = SyncConfig(url="file:///b", metrics_port=9464)
     for index, port in ((0, 9464), (1, 9465), (3, 9467)):
-        vc = _vllm_config(moe=False, dp=4, index=index, url="file:///b", port=9464)
-        assert _engine_config(config, vc).metrics_port == port
+        assert engine_config(config, index).metrics_port == port
     off = SyncConfig(url="file:///b", metrics_port=0)
-    assert _engine_config(off, _vllm_config(moe=False, dp=2, index=1, url="x", port=0)) is off
+    assert engine_config(off, 1) is off
 
 
 @requires_vllm

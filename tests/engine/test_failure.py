@@ -1,6 +1,6 @@
 """A switch that fails on one rank is taken back on every rank, and the engine keeps serving.
 
-TP=2 engine following a file:// bucket. The test-only failpoint (``DELTASYNC_TEST_FAIL_APPLY``,
+TP=2 engine following a file:// bucket. The test-only failpoint (``apply``,
 vllm_deltasync/rank.py) makes rank 1 raise half-way through writing step 3, after rank 0 wrote
 all of it. Then:
 
@@ -11,13 +11,13 @@ all of it. Then:
 * a delta chained on the failed step is never applied; the next anchor is, and deltas chain
   from it again.
 
-Then the engine core itself fails a switch (``DELTASYNC_TEST_FAIL_SWITCH``: after every rank
+Then the engine core itself fails a switch (``switch``: after every rank
 applied step 7, before the prefix-cache reset), and the next ticks fail too. The switch is taken
 back on every rank (digests equal step 6, weight version "6", outputs as before), the failures
 are counted in ``deltasync_coordinator_failures_total``, ``/synced`` answers 503 naming the
 coordinator while the ticks keep failing, and the engine recovers through the next anchor.
 
-Then the apply broadcast itself fails (``DELTASYNC_TEST_FAIL_APPLY_RPC``: rank 1's
+Then the apply broadcast itself fails (``apply_rpc``: rank 1's
 ``deltasync_apply`` raises out of the RPC, before writing, while rank 0 wrote the step), twice:
 
 * step 11: every rank is asked to revert; rank 0 puts its write back, rank 1 never wrote and
@@ -40,9 +40,7 @@ from typing import Any
 import pytest
 
 from examples.toymodel import build_model
-from vllm_deltasync import DeltaPublisher
-from vllm_deltasync.server.engine.coordinator import FAIL_APPLY_RPC_ENV, FAIL_SWITCH_ENV
-from vllm_deltasync.server.worker.rank import FAILPOINT_ENV
+from vllm_deltasync import DeltaPublisher, failpoints
 
 from .conftest import (
     FreshOutputs,
@@ -83,8 +81,10 @@ def test_failed_switch_is_taken_back_and_the_engine_keeps_serving(
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     with DeltaPublisher(url, anchor_every=5) as pub, engine_env(
-        tmp_path, tp, {FAILPOINT_ENV: "1:3:2", FAIL_SWITCH_ENV: "7:10",
-                       FAIL_APPLY_RPC_ENV: "1:11,1:16:dirty"}, url=url,
+        tmp_path, tp, failpoints.env(
+            failpoints.spec("apply", "policy", 1, 3, 2), failpoints.spec("switch", "policy", 7, 10),
+            failpoints.spec("apply_rpc", "policy", 1, 11),
+            failpoints.spec("apply_rpc", "policy", 1, 16, "dirty")), url=url,
         poll_interval_s=0.2, metrics_port=port, metrics_host="127.0.0.1",
     ):
 
@@ -141,7 +141,7 @@ def test_failed_switch_is_taken_back_and_the_engine_keeps_serving(
                 code, body = get_text(f"{base}/synced")
                 seen_failing = code == 503 and json.loads(body)["coordinator"]["failing"]
                 time.sleep(0.05)
-            assert FAIL_SWITCH_ENV in json.loads(body)["coordinator"]["last_error"]
+            assert "failpoint switch" in json.loads(body)["coordinator"]["last_error"]
             status = engine_status(llm)
             assert status["weight_version"] == "6", status
             assert [r["applied_step"] for r in status["ranks"]] == [6, 6], status
@@ -169,7 +169,7 @@ def test_failed_switch_is_taken_back_and_the_engine_keeps_serving(
                 time.sleep(0.1)
             status = engine_status(llm)
             assert "apply broadcast failed" in status["last_error"], status
-            assert FAIL_APPLY_RPC_ENV in status["last_error"], status
+            assert "failpoint apply_rpc" in status["last_error"], status
             assert status["weight_version"] == "10" and status["held"] is None, status
             assert [r["applied_step"] for r in status["ranks"]] == [10, 10], status
             assert digests_equal_checkpoint(llm, ckpt10), "rank 0's write was not taken back"

@@ -12,7 +12,6 @@ from vllm_deltasync import DeltaPublisher
 from vllm_deltasync.config import SyncConfig
 from vllm_deltasync.errors import DeltaSyncError
 from vllm_deltasync.format.manifest import fingerprint
-from vllm_deltasync.server.engine.coordinator import common_ready_step
 from vllm_deltasync.server.worker.poller import Poller
 
 
@@ -62,8 +61,8 @@ def test_poller_stages_chain_and_applier_reaches_every_step_bit_exact(tmp_path: 
                     poller.state.mark_applied(staged.manifest)
                 assert all(torch.equal(live[k], trainer[k]) for k in trainer), step
         status = poller.status()
-        assert status["applied_step"] == 9 and status["last_error"] is None
-        assert status["counters"]["downloaded_bytes"]["delta"] > 0
+        assert status.applied_step == 9 and status.last_error is None
+        assert status.counters.downloaded_bytes["delta"] > 0
         with pytest.raises(DeltaSyncError, match="not staged"):
             poller.state.take(42)
     finally:
@@ -98,21 +97,13 @@ def test_fingerprint_mismatch_is_reported_and_nothing_is_staged(tmp_path: Path) 
     poller = Poller(SyncConfig(url=url, poll_interval_s=0.05), _patches_bytes, fingerprint=other)
     poller.start()
     try:
-        _wait(lambda: poller.status()["last_error"] is not None)
-        assert "FingerprintError" in poller.status()["last_error"]
+        _wait(lambda: poller.status().last_error is not None)
+        assert "FingerprintError" in poller.status().last_error
         assert poller.ready_steps() == []
     finally:
         poller.close()
 
 
-def test_common_ready_step_needs_every_rank() -> None:
-    assert common_ready_step([{"applied_step": 3, "ready_steps": [4, 5]},
-                              {"applied_step": 3, "ready_steps": [4]}]) == 4
-    assert common_ready_step([{"applied_step": 3, "ready_steps": [4, 5]},
-                              {"applied_step": 3, "ready_steps": []}]) is None
-    assert common_ready_step([{"applied_step": 3, "ready_steps": [4]},
-                              {"applied_step": 2, "ready_steps": [4]}]) is None
-    assert common_ready_step([]) is None
 
 
 def test_on_start_wait_stages_nothing_until_a_newer_step(tmp_path: Path) -> None:
@@ -129,7 +120,7 @@ def test_on_start_wait_stages_nothing_until_a_newer_step(tmp_path: Path) -> None
         try:
             time.sleep(0.5)
             assert poller.ready_steps() == []
-            assert poller.status()["newest_step"] == 2
+            assert poller.status().newest_step == 2
             _step(w, g)
             pub.publish(3, w.items())
             pub.flush()
@@ -205,7 +196,7 @@ def test_a_switch_taken_back_waits_for_a_newer_anchor(tmp_path: Path) -> None:
             pub.flush()
             time.sleep(0.5)
             assert poller.ready_steps() == []
-            assert poller.status()["applied_step"] == 1
+            assert poller.status().applied_step == 1
             _step(w, g)
             pub.publish(4, w.items())  # an anchor: the way back
             pub.flush()

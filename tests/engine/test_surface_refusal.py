@@ -2,7 +2,7 @@
 visibly (issue 24, item 2).
 
 In one child process (with a deadline), with the surface check made to fail for one symbol
-(``DELTASYNC_TEST_SURFACE_BREAK``, as if that vLLM release had renamed it):
+(failpoint ``surface_break``, as if that vLLM release had renamed it):
 
 - a plain engine (no ``--worker-extension-cls``) starts, with the package installed and its
   ``vllm.general_plugins`` entry point loaded, and generates;
@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from examples.toymodel import build_model
-from vllm_deltasync.server.vllm.surface import BREAK_ENV
+from vllm_deltasync import failpoints
 
 from .conftest import free_port, requires_vllm, run_engine_child
 
@@ -57,7 +57,7 @@ CHILD = textwrap.dedent('''
 def test_a_missing_symbol_refuses_the_extension_and_vllm_serves(tmp_path: Path) -> None:
     model_dir = build_model(tmp_path / "model", "llama", seed=5)
     port = free_port()
-    env = {"VLLM_DELTASYNC_URL": f"file://{tmp_path}/bucket", BREAK_ENV: SYMBOL,
+    env = {"VLLM_DELTASYNC_URL": f"file://{tmp_path}/bucket", **failpoints.env(failpoints.spec("surface_break", SYMBOL)),
            "VLLM_DELTASYNC_METRICS_PORT": str(port), "VLLM_DELTASYNC_METRICS_HOST": "127.0.0.1"}
     proc = run_engine_child(tmp_path, CHILD, str(model_dir), str(port), env=env, timeout=300,
                             hang="an engine hung with the surface check failing")

@@ -50,8 +50,7 @@ from tests.engine.conftest import (
 )
 from tests.faults.conftest import assert_no_secret
 from tests.stores import hubserver
-from vllm_deltasync import DeltaPublisher
-from vllm_deltasync.server.worker.rank import FAILPOINT_ENV
+from vllm_deltasync import DeltaPublisher, failpoints
 
 pytestmark = [requires_vllm, pytest.mark.engine]
 
@@ -91,7 +90,7 @@ def run(tmp_path_factory: pytest.TempPathFactory, hub_server: Any) -> Iterator[R
     tmp = tmp_path_factory.mktemp("faults-engine")
     state = Run(tmp, hub_server)
     state.publish(0, train=False)
-    with engine_env(tmp, 1, {**state.env, FAILPOINT_ENV: "0:3:2"}, url=state.url,
+    with engine_env(tmp, 1, {**state.env, **failpoints.env(failpoints.spec("apply", "policy", 0, 3, 2))}, url=state.url,
                     poll_interval_s=0.2, metrics_port=0,
                     store_options=json.dumps({"retry_policy": FAST_RETRY})):
         state.llm = make_llm(state.model_dir, 1, extension=True)

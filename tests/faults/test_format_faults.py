@@ -43,21 +43,21 @@ def _fingerprint() -> str:
     return fingerprint((n, tuple(w.shape), "bfloat16") for n, w in weights.items())
 
 
-def poller_refuses(url: str, bad: int) -> dict[str, Any]:
+def poller_refuses(url: str, bad: int) -> Any:
     """The server's poller never stages ``bad`` nor anything after it; returns its status."""
     poller = Poller(SyncConfig(url=url, poll_interval_s=0.05), lambda m, p: (p, 1),
                     fingerprint=_fingerprint())
     poller.start()
     try:
         deadline = time.monotonic() + 10
-        while poller.status()["last_error"] is None:
+        while poller.status().last_error is None:
             assert time.monotonic() < deadline, "the poller never reported the bad step"
             time.sleep(0.02)
         time.sleep(0.3)  # rounds in which it could (wrongly) move on
         assert all(s < bad for s in poller.ready_steps())
         status = poller.status()
-        assert f"step {bad}" in str(status["last_error"])
-        failures = status["counters"]["failures"]
+        assert f"step {bad}" in str(status.last_error)
+        failures = status.counters.failures
         assert failures and all(r.isidentifier() for _, r, _ in failures)  # bounded labels
         return status
     finally:

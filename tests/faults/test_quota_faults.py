@@ -49,7 +49,7 @@ def test_corrupt_step_is_not_downloaded_every_poll(hub: Any, make_hf_store: Any)
     name = bad.rsplit("/", 2)[-2]
     downloads = [r for r in hub.requests("cdn") if name in r["path"]]
     assert 1 <= len(downloads) <= 6, len(downloads)  # 0.2 + 0.4 + 0.8 + 1.6 s of backoff
-    assert status["ready_steps"] == [0, 1]           # the good steps, never the corrupt one
-    assert "step 2" in status["last_error"]
-    assert status["counters"]["failures"][0][:2] == ["download", "IntegrityError"] or any(
-        r == "IntegrityError" for _, r, _ in status["counters"]["failures"])
+    assert status.ready_steps == (0, 1)           # the good steps, never the corrupt one
+    assert "step 2" in status.last_error
+    assert status.counters.failures[0][:2] == ("download", "IntegrityError") or any(
+        r == "IntegrityError" for _, r, _ in status.counters.failures)

@@ -129,7 +129,7 @@ def test_a_reader_and_a_following_server_skip_a_garbage_newest_manifest(
             pub.flush()
             _wait(lambda: 4 in poller.state.ready_steps())
             status = poller.status()
-            assert status["newest_step"] == 4 and status["last_error"] is None, status
+            assert status.newest_step == 4 and status.last_error is None, status
             assert [m for m in _skips(caplog) if m.startswith("deltasync rank=0")] == server_lines
         finally:
             poller.close()
@@ -161,8 +161,8 @@ def test_a_server_reports_a_newer_format_instead_of_skipping_it(tmp_path: Path) 
                     lambda m, patches: (patches, 0), applied_step=None)
     poller.start()
     try:
-        _wait(lambda: "vllm-deltasync>=9.0" in (poller.status()["last_error"] or ""))
-        assert poller.status()["newest_step"] != 1  # not taken as "the newest step is 1"
+        _wait(lambda: "vllm-deltasync>=9.0" in (poller.status().last_error or ""))
+        assert poller.status().newest_step != 1  # not taken as "the newest step is 1"
     finally:
         poller.close()
 

@@ -88,12 +88,14 @@ def test_synced_and_metrics_never_show_a_url_secret() -> None:
     from prometheus_client import CollectorRegistry, generate_latest
 
     from vllm_deltasync.server import metrics
+    from vllm_deltasync.server.messages import RankStatus, TargetStatus
 
     registry = CollectorRegistry()
     m = metrics.SyncMetrics(registry=registry, bucket_url=f"s3://{KEY}:{SECRET}@b/p?t={SESSION}")
     leaky = f"StoreError: GET https://cdn.example/x?X-Amz-Signature={SECRET} failed"
-    m.update([{"rank": 0, "applied_step": 1, "newest_step": 2, "last_error": leaky,
-               "counters": metrics.WorkerStats().snapshot()}], now=1.0)
+    status = TargetStatus(rank=0, model="policy", applied_step=1, newest_step=2,
+                          last_error=leaky, counters=metrics.WorkerStats().snapshot())
+    m.update([RankStatus({"policy": status}, "policy")], now=1.0)
     m.coordinator_state(failing=True, error=RuntimeError(f"tick: s3://{KEY}:{SECRET}@b/p"))
     _, body = m.synced()
     assert_no_secret(body, generate_latest(registry).decode())

@@ -155,3 +155,19 @@ def prometheus_factory(tmp_path: Path) -> Iterator[Any]:
     yield start
     for prom in started:
         prom.stop()
+
+
+def rank_status(rank: int, *, drafter: Any = None, **fields: Any) -> Any:
+    """One rank's status as the engine core parses it (``server/messages.py``): the policy's
+    ``fields``, and ``drafter`` (a ``rank_status`` of its own, or a dict of fields) as the
+    drafter's."""
+    from vllm_deltasync.server.messages import RankStatus, TargetStatus
+
+    targets = {"policy": TargetStatus(rank=rank, model="policy", **fields)}
+    if isinstance(drafter, RankStatus):
+        import dataclasses
+
+        targets["drafter"] = dataclasses.replace(drafter.targets["policy"], model="drafter")
+    elif drafter is not None:
+        targets["drafter"] = TargetStatus(**{"rank": rank, **drafter, "model": "drafter"})
+    return RankStatus(targets, "policy")

@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry
 
 from vllm_deltasync.server import metrics
 
-from .conftest import DEPLOY, need_binary
+from .conftest import DEPLOY, need_binary, rank_status
 
 PROM = DEPLOY / "prometheus"
 DASHBOARD = DEPLOY / "grafana" / "dashboards" / "vllm-deltasync.json"
@@ -29,10 +29,10 @@ def exported_names() -> set[str]:
     stats.add_download("delta", 1, 0.1)
     stats.add_apply("delta", 0.1, 1)
     stats.add_failure("download", "TransientStoreError: x")
-    m.update([{"applied_step": 1, "newest_step": 1, "staged_step": 1, "last_error": "E: x",
-               "applied_published_at": 1.0, "newest_published_at": 1.0, "staged_bytes": 1,
-               "last_discovery_at": 1.0,
-               "counters": stats.snapshot(type("S", (), {"requests": {("read", "ok"): 1}})())}])
+    m.update([rank_status(0, applied_step=1, newest_step=1, staged_step=1, last_error="E: x",
+                          applied_published_at=1.0, newest_published_at=1.0, staged_bytes=1,
+                          last_discovery_at=1.0, counters=stats.snapshot(
+                              type("S", (), {"requests": {("read", "ok"): 1}})()))])
     m.observe_switch(1, 0.1)
     m.observe_admission(2)
     m.count_conflict("min_timeout")

@@ -3,21 +3,25 @@
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import pytest
 from prometheus_client import CollectorRegistry
 
 from vllm_deltasync.errors import ChainError, ConfigError
 from vllm_deltasync.server import metrics
+from vllm_deltasync.server.endpoint import MetricsServer
+from vllm_deltasync.server.engine.coordinator import parse_statuses
+from vllm_deltasync.server.messages import MessageError
 from vllm_deltasync.stores.base import StoreStats
 
-from .conftest import http_get, parse_exposition, sample
+from .conftest import http_get, parse_exposition, rank_status, sample
 
 
 def status(rank: int, applied: int | None, newest: int | None, stats: metrics.WorkerStats,
-           store: StoreStats | None = None, **extra: object) -> dict[str, object]:
-    return {"rank": rank, "applied_step": applied, "staged_step": applied, "newest_step": newest,
-            "last_error": None, "counters": stats.snapshot(store), **extra}
+           store: StoreStats | None = None, **extra: Any) -> Any:
+    return rank_status(rank, applied_step=applied, staged_step=applied, newest_step=newest,
+                       counters=stats.snapshot(store), **extra)
 
 
 def test_every_name_follows_the_conventions(registry: CollectorRegistry) -> None:
@@ -118,14 +122,16 @@ def test_switch_and_bucket_info_without_credentials(registry: CollectorRegistry)
 
 def test_bad_input_is_a_clear_error(registry: CollectorRegistry) -> None:
     m = metrics.SyncMetrics(registry=registry)
-    with pytest.raises(ConfigError, match="rank 0 returned NoneType"):
-        m.update([None])  # type: ignore[list-item]
+    with pytest.raises(MessageError, match="deltasync_status: expected a dict, got NoneType"):
+        parse_statuses([None])
+    with pytest.raises(MessageError, match="missing keys \\['model'"):
+        parse_statuses([{"rank": 0}])
     with pytest.raises(ConfigError, match="failure stage 'upload'"):
         metrics.WorkerStats().add_failure("upload", "boom")
     with pytest.raises(ConfigError, match="step kind 'full'"):
         metrics.WorkerStats().add_download("full", 1, 1.0)
     with pytest.raises(ConfigError, match="out of range"):
-        metrics.MetricsServer(m, port=70000)
+        MetricsServer(m, port=70000)
 
 
 def test_two_instances_never_collide() -> None:
@@ -136,7 +142,7 @@ def test_two_instances_never_collide() -> None:
 def test_server_serves_metrics_and_readiness(registry: CollectorRegistry) -> None:
     m = metrics.SyncMetrics(registry=registry)
     assert m.start_server(0) is None  # 0 = off
-    server = metrics.MetricsServer(m, port=0, addr="127.0.0.1")
+    server = MetricsServer(m, port=0, addr="127.0.0.1")
     try:
         base = f"http://127.0.0.1:{server.port}"
         code, body = http_get(f"{base}/synced")
@@ -152,7 +158,7 @@ def test_server_serves_metrics_and_readiness(registry: CollectorRegistry) -> Non
         values = parse_exposition(body.decode())
         assert values[("deltasync_steps_behind", (("model", "policy"), ("rank", "1")))] == 2
         with pytest.raises(ConfigError, match="choose another metrics_port"):
-            metrics.MetricsServer(m, port=server.port, addr="127.0.0.1")
+            MetricsServer(m, port=server.port, addr="127.0.0.1")
     finally:
         server.close()
 
@@ -165,7 +171,7 @@ def test_the_drafter_has_its_own_series(registry: CollectorRegistry) -> None:
     d.add_download("delta", 300, 0.05)
     d.add_failure("verify", "IntegrityError: x")
     m.update([status(0, 4, 4, p, drafter=status(0, 2, 4, d, last_error="IntegrityError: x")),
-              status(1, 4, 4, p, drafter={"model": "drafter", "rank": 1, "refused": "no draft"})])
+              status(1, 4, 4, p, drafter={"refused": "no draft"})])
     assert sample(registry, "deltasync_applied_step", model="policy", rank="0") == 4
     assert sample(registry, "deltasync_applied_step", model="drafter", rank="0") == 2
     assert sample(registry, "deltasync_steps_behind", model="drafter", rank="0") == 2

@@ -12,13 +12,18 @@ from .conftest import parse_exposition
 
 ENGINE_CORE = """
 from vllm_deltasync.server import metrics
+from vllm_deltasync.server.messages import RankStatus, TargetStatus
 m = metrics.SyncMetrics(bucket_url="file:///bucket", format_version=1)
 stats = metrics.WorkerStats()
 stats.add_download("delta", 1234, 0.5)
-m.update([{"rank": 0, "applied_step": 5, "newest_step": 7, "counters": stats.snapshot()},
-          {"rank": 1, "applied_step": 6, "newest_step": 7, "counters": stats.snapshot()}])
-m.update([{"rank": 0, "applied_step": 7, "newest_step": 7, "counters": stats.snapshot()},
-          {"rank": 1, "applied_step": 7, "newest_step": 7, "counters": stats.snapshot()}])
+
+def rank(r, applied):
+    return RankStatus({"policy": TargetStatus(rank=r, model="policy", applied_step=applied,
+                                              newest_step=7, counters=stats.snapshot())},
+                      "policy")
+
+m.update([rank(0, 5), rank(1, 6)])
+m.update([rank(0, 7), rank(1, 7)])
 m.observe_switch(7, 0.01)
 """
 

@@ -33,9 +33,10 @@ from vllm_deltasync.errors import DeltaSyncError, FormatError, IntegrityError, S
 from vllm_deltasync.format.manifest import Manifest
 from vllm_deltasync.format.reader import BucketReader
 from vllm_deltasync.server import metrics
+from vllm_deltasync.server.endpoint import MetricsServer
 from vllm_deltasync.trainer.publisher import DeltaPublisher
 
-from .conftest import DEPLOY, http_get, scrape_config
+from .conftest import DEPLOY, http_get, rank_status, scrape_config
 
 pytestmark = pytest.mark.prometheus
 DASHBOARD = DEPLOY / "grafana" / "dashboards" / "vllm-deltasync.json"
@@ -101,7 +102,6 @@ class Follower:
 
     def status(self) -> dict[str, Any]:
         return {
-            "rank": self.rank,
             "applied_step": self.applied.step if self.applied else None,
             "staged_step": self.staged[-1][0].step if self.staged else None,
             "newest_step": self.newest.step if self.newest else None,
@@ -144,8 +144,9 @@ class Coordinator(threading.Thread):
                     self.metrics.observe_switch(steps.pop(), time.perf_counter() - start)
                 while self.drafter.staged:  # the drafter switches on its own, never holding
                     self.drafter.apply_next()
-                statuses = [r.status() for r in self.ranks]
-                statuses[0]["drafter"] = {**self.drafter.status(), "model": "drafter"}
+                statuses = [rank_status(r.rank, **r.status()) for r in self.ranks]
+                statuses[0] = rank_status(0, **self.ranks[0].status(),
+                                          drafter=self.drafter.status())
                 self.metrics.update(statuses)
             await asyncio.sleep(TICK_S)
         for r in [*self.ranks, self.drafter]:
@@ -208,7 +209,7 @@ def test_prometheus_scrapes_fleet_metrics(tmp_path: Path, prometheus_factory: An
     bucket.mkdir()
     committed: list[Manifest] = []
     sync_metrics = metrics.SyncMetrics(bucket_url=url, format_version=1)
-    server = metrics.MetricsServer(sync_metrics, port=0, addr="127.0.0.1")
+    server = MetricsServer(sync_metrics, port=0, addr="127.0.0.1")
     ranks = [Follower(rank, url, shapes) for rank in (0, 1)]
     coordinator = Coordinator(ranks, sync_metrics, Follower(0, url, shapes))
     target = f"127.0.0.1:{server.port}"
@@ -279,9 +280,9 @@ def check_fleet_queries(prom: Any, committed: list[Manifest], ranks: list[Follow
     assert prom.value("min(deltasync_changed_elements_total)") >= changed > 0
     failures = prom.value('sum(deltasync_failures_total{model="policy", stage="verify", '
                           'reason="IntegrityError"})')
-    assert failures == sum(n for r in ranks for s, _, n in r.stats.snapshot()["failures"]) >= 2
+    assert failures == sum(n for r in ranks for s, _, n in r.stats.snapshot().failures) >= 2
     failures = prom.value('sum(deltasync_failures_total{model="drafter", reason="IntegrityError"})')
-    assert failures == sum(n for _, _, n in drafter.stats.snapshot()["failures"]) >= 1
+    assert failures == sum(n for _, _, n in drafter.stats.snapshot().failures) >= 1
     assert prom.value("max(deltasync_failing)") == 0
     assert prom.value("deltasync_switches_total") == STEPS
     assert prom.value("sum(deltasync_pause_duration_seconds_count)") == STEPS

@@ -6,6 +6,7 @@ import contextlib
 import io
 import json
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -13,14 +14,15 @@ from vllm_deltasync import cli
 from vllm_deltasync.cli.status import metrics_url
 from vllm_deltasync.errors import ConfigError
 from vllm_deltasync.server import metrics
+from vllm_deltasync.server.endpoint import MetricsServer
 
-from .conftest import free_port
+from .conftest import free_port, rank_status
 
 
 @pytest.fixture
 def replica() -> Iterator[tuple[metrics.SyncMetrics, str]]:
     m = metrics.SyncMetrics(bucket_url="file:///b", format_version=1)
-    server = metrics.MetricsServer(m, port=0, addr="127.0.0.1")
+    server = MetricsServer(m, port=0, addr="127.0.0.1")
     yield m, f"127.0.0.1:{server.port}"
     server.close()
 
@@ -32,9 +34,11 @@ def run(*argv: str) -> tuple[int, str]:
     return code, out.getvalue()
 
 
-def rank(r: int, applied: int | None, newest: int, error: str | None = None) -> dict[str, object]:
-    return {"rank": r, "applied_step": applied, "newest_step": newest, "last_error": error,
-            "applied_published_at": 100.0 + (applied or 0), "newest_published_at": 100.0 + newest}
+def rank(r: int, applied: int | None, newest: int, error: str | None = None,
+         **extra: Any) -> Any:
+    return rank_status(r, applied_step=applied, newest_step=newest, last_error=error,
+                       applied_published_at=100.0 + (applied or 0),
+                       newest_published_at=100.0 + newest, **extra)
 
 
 def test_one_line_per_replica_worst_rank_shown(
@@ -63,8 +67,7 @@ def test_failing_rank_and_json(replica: tuple[metrics.SyncMetrics, str]) -> None
 
 def test_a_lost_branch_is_shown_and_unhealthy(replica: tuple[metrics.SyncMetrics, str]) -> None:
     m, address = replica
-    lost = rank(1, 3, 3)
-    lost["branch_lost"] = "branch changed: step 3 was rewritten in the bucket"
+    lost = rank(1, 3, 3, branch_lost="branch changed: step 3 was rewritten in the bucket")
     m.update([rank(0, 3, 3), lost])
     code, out = run(address)
     assert code == 3 and out.rstrip().endswith("error=- branch=lost@rank1")
@@ -76,10 +79,8 @@ def test_a_lost_branch_is_shown_and_unhealthy(replica: tuple[metrics.SyncMetrics
 def test_the_drafter_is_shown_and_never_unhealthy(
         replica: tuple[metrics.SyncMetrics, str]) -> None:
     m, address = replica
-    policy = [rank(0, 5, 5), rank(1, 5, 5)]
-    policy[0]["drafter"] = rank(0, 4, 5)
-    policy[1]["drafter"] = rank(1, 3, 5, "IntegrityError: step 5: data file is corrupt")
-    m.update(policy)
+    m.update([rank(0, 5, 5, drafter=rank(0, 4, 5)),
+              rank(1, 5, 5, drafter=rank(1, 3, 5, "IntegrityError: step 5: data file is corrupt"))])
     code, out = run(address)
     assert code == 0, out  # the policy is current; a broken draft changes speed, not tokens
     assert out.rstrip().endswith(

@@ -2,7 +2,7 @@
 
 ``Follower`` runs the real poller (the rank's ``Poller`` and ``SyncState``) against a real
 bucket; it takes the staged steps, checks them with the rank's own chain check
-(``rank._check_chain``, what ``RankState.apply`` runs before it writes anything) and writes
+(``switching.check_chain``, what ``RankSwitch.apply`` runs before it writes anything) and writes
 them into a dict of live tensors. The ``follower_factory`` fixture (tests/server/conftest.py)
 starts followers and closes them after the test.
 """
@@ -21,8 +21,8 @@ from vllm_deltasync import DeltaPublisher
 from vllm_deltasync.config import SyncConfig
 from vllm_deltasync.format.layout import manifest_path
 from vllm_deltasync.server.worker.poller import Poller
-from vllm_deltasync.server.worker.rank import _check_chain
 from vllm_deltasync.server.worker.state import StagedStep
+from vllm_deltasync.server.worker.switching import check_chain
 
 Weights = dict[str, torch.Tensor]
 
@@ -71,7 +71,7 @@ class Follower:
 
     def __init__(self, url: str, live: Weights, **options: Any) -> None:
         cfg = SyncConfig(**{"url": url, "poll_interval_s": 0.05, **options})
-        self.poller = Poller(cfg, _patches, applied_step=cfg.loaded_step)  # as RankState does
+        self.poller = Poller(cfg, _patches, applied_step=cfg.loaded_step)  # as TargetRank does
         self.poller.branch_check_s = 0.3
         self.live = live
         self.applied: list[tuple[int, str | None]] = []
@@ -90,12 +90,12 @@ class Follower:
     def write(self, before: Any, taken: list[StagedStep[Any]]) -> None:
         """The second half of a switch: what ``state.take`` returned, onto ``before`` (the
         applied step when it was taken)."""
-        _check_chain(0, before, taken, taken[-1].manifest.identity)  # raises: never across
+        check_chain(0, before, taken, taken[-1].manifest.identity)  # raises: never across
         for staged in taken:
             for p in staged.payload:
                 p.apply_to(self.live[p.name].view(-1))
             if self.state.mark_applied(staged.manifest) is not None:
-                self.poller.stats.add_branch_change()  # as RankState.apply: a restart's anchor
+                self.poller.stats.add_branch_change()  # as RankSwitch.apply: a restart's anchor
             self.applied.append((staged.step, staged.manifest.identity))
 
     def follow_until(self, done: Callable[[], bool], timeout_s: float = 30.0) -> None:

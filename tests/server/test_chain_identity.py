@@ -3,7 +3,7 @@ computed from, whatever the step numbers say.
 
 Every case runs the real poller (the rank's ``Poller`` and ``SyncState``) against a real bucket
 written by the real ``DeltaPublisher``; the applier below takes the staged steps, checks them
-with the rank's own chain check (``rank._check_chain``, what ``RankState.apply`` runs before it
+with the rank's own chain check (``switching.check_chain``, what ``RankSwitch.apply`` runs before it
 writes anything) and writes them into a dict of live tensors. The evidence is the weights: the
 live tensors must equal the trainer's at the step the poller reports, and a step of another
 branch must never be written onto them.
@@ -32,8 +32,8 @@ from vllm_deltasync import DeltaPublisher
 from vllm_deltasync.errors import ChainError
 from vllm_deltasync.format.layout import manifest_path
 from vllm_deltasync.format.manifest import dump_document, load_document, manifest_identity
-from vllm_deltasync.server.worker.rank import _check_chain
 from vllm_deltasync.server.worker.state import StagedStep
+from vllm_deltasync.server.worker.switching import check_chain
 
 
 def _run_a(url: str, truth: dict[int, Weights], format_version: int = 3) -> dict[int, Weights]:
@@ -68,8 +68,8 @@ def test_restart_with_steps_removed_and_republished_never_applies_across(
     assert steps[-3:] == [2, 3, 4], f.applied  # through the new run's anchor
     assert old_three not in [i for s, i in f.applied if s > 3]
     status = f.poller.status()
-    assert status["counters"]["branch_changes"] >= 1
-    assert status["branch_lost"] is None and status["applied_id"] == f.applied[-1][1]
+    assert status.counters.branch_changes >= 1
+    assert status.branch_lost is None and status.applied_id == f.applied[-1][1]
 
 
 def test_documented_restart_publishes_an_anchor_at_the_next_free_step(
@@ -94,7 +94,7 @@ def test_documented_restart_publishes_an_anchor_at_the_next_free_step(
     assert reader_doc["kind"] == "anchor" and reader_doc["resumed_from"] == 1
     assert first is not None and first.step == 6 and first.base_id is not None
     status = f.poller.status()
-    assert status["counters"]["branch_changes"] == 1 and status["branch_lost"] is None
+    assert status.counters.branch_changes == 1 and status.branch_lost is None
 
 
 def test_wiped_bucket_and_new_run_from_zero_is_followed(
@@ -112,14 +112,14 @@ def test_wiped_bucket_and_new_run_from_zero_is_followed(
     seen_lost: list[str] = []
 
     def done() -> bool:
-        lost = f.poller.status()["branch_lost"]
+        lost = f.poller.status().branch_lost
         if lost:
             seen_lost.append(lost)
         return f.at(1, b[1])
 
     f.follow_until(done)
     assert seen_lost and "branch changed" in seen_lost[0] and "no readable step 3" in seen_lost[0]
-    assert f.poller.status()["counters"]["branch_changes"] == 1
+    assert f.poller.status().counters.branch_changes == 1
 
 
 def test_steps_rewritten_in_place_with_nothing_newer_are_seen(
@@ -136,7 +136,7 @@ def test_steps_rewritten_in_place_with_nothing_newer_are_seen(
         _publish(pub, w, g, range(2, 4), b)
     f.follow_until(lambda: f.at(3, b[3]))
     assert f.applied[-1][1] != f.applied[-3][1]  # the same number, another identity
-    assert f.poller.status()["counters"]["branch_changes"] == 1
+    assert f.poller.status().counters.branch_changes == 1
 
 
 def test_loaded_step_takes_the_bucket_identity_and_refuses_another_run(
@@ -171,13 +171,13 @@ def test_loaded_step_takes_the_bucket_identity_and_refuses_another_run(
     time.sleep(1.0)
     f.apply_ready()
     status = f.poller.status()
-    assert status["applied_step"] == 1 and status["ready_steps"] == []
-    assert "never crosses runs" in (status["last_error"] or "")
+    assert status.applied_step == 1 and status.ready_steps == ()
+    assert "never crosses runs" in (status.last_error or "")
     assert all(torch.equal(f.live[k], truth[1][k]) for k in truth[1])
 
 
 def test_the_rank_check_refuses_a_delta_planned_on_other_weights(tmp_path: Path) -> None:
-    """``RankState.apply``'s check before writing: the base identity a delta was planned onto
+    """``RankSwitch.apply``'s check before writing: the base identity a delta was planned onto
     must be the applied one, and the last step must be the one the engine core chose."""
     url = f"file://{tmp_path}/bucket"
     truth: dict[int, Weights] = {}
@@ -192,10 +192,10 @@ def test_the_rank_check_refuses_a_delta_planned_on_other_weights(tmp_path: Path)
     m0, m1, m2 = (default_loop().run(reader.manifest(s), 10) for s in range(3))
     default_loop().run(reader.close(), 10)
     ok = StagedStep(m2, [], 0, 0, 0.0, base_identity=m1.identity)
-    _check_chain(0, (1, m1), [ok], m2.identity)
+    check_chain(0, (1, m1), [ok], m2.identity)
     with pytest.raises(ChainError, match="exact weights it was computed from"):
-        _check_chain(0, (1, m0), [ok], None)  # the engine holds another manifest
+        check_chain(0, (1, m0), [ok], None)  # the engine holds another manifest
     with pytest.raises(ChainError, match="unknown weights"):
-        _check_chain(0, (1, None), [ok], None)  # a number without an identity is not enough
+        check_chain(0, (1, None), [ok], None)  # a number without an identity is not enough
     with pytest.raises(ChainError, match="the engine core chose"):
-        _check_chain(0, (1, m1), [ok], m1.identity)
+        check_chain(0, (1, m1), [ok], m1.identity)

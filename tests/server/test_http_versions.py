@@ -12,7 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from vllm_deltasync.server.vllm.http import (
+from vllm_deltasync.server.api.versions import (
     BadDemand,
     Calls,
     header_value,
@@ -31,7 +31,8 @@ HAS_VLLM = importlib.util.find_spec("vllm") is not None
     ({"x-min-weight-version": "+12"}, ("min", 12)),
 ])
 def test_demands_parse(headers: dict[str, str], want: tuple[str, int] | None) -> None:
-    assert parse_demand(headers) == want
+    assert parse_demand(list(headers.items())) == want
+    assert parse_demand([(k.upper(), v) for k, v in headers.items()]) == want
 
 
 @pytest.mark.parametrize(("headers", "words"), [
@@ -44,10 +45,33 @@ def test_demands_parse(headers: dict[str, str], want: tuple[str, int] | None) ->
 ])
 def test_bad_demands_name_the_header_in_one_line(headers: dict[str, str], words: str) -> None:
     with pytest.raises(BadDemand) as info:
-        parse_demand(headers)
+        parse_demand(list(headers.items()))
     text = str(info.value)
     assert words in text and "\n" not in text
     assert "Weight-Version" in text
+
+
+def test_S10_a_header_of_thousands_of_digits_is_a_400_naming_it() -> None:
+    """Red team S10: more than 4,300 digits made ``int()`` raise inside the middleware (a
+    traceback per request, Python's message in the 400). Refused before any conversion."""
+    for value in ("1" * 4301, "9" * 100_000, " " + "7" * 21):
+        with pytest.raises(BadDemand) as info:
+            parse_demand([("X-Min-Weight-Version", value)])
+        text = str(info.value)
+        assert "X-Min-Weight-Version" in text and "at most 20 digits" in text, text
+        assert len(text) < 200 and "\n" not in text
+    assert parse_demand([("X-Min-Weight-Version", "1" * 12)]) == ("min", int("1" * 12))
+
+
+def test_S11_a_version_header_given_twice_is_a_400_naming_it() -> None:
+    """Red team S11: duplicate ``X-Exact-Weight-Version`` / ``X-Min-Weight-Version`` headers let
+    the last one win silently. Refused, naming the header, whatever the case of each copy."""
+    for name in ("X-Exact-Weight-Version", "X-Min-Weight-Version"):
+        for second in (name, name.lower(), name.upper()):
+            with pytest.raises(BadDemand, match=f"{name} is given 2 times; send it once"):
+                parse_demand([(name, "3"), (second, "4")])
+            with pytest.raises(BadDemand, match="given 2 times"):
+                parse_demand([(name, "3"), (second, "3")])  # even when they agree
 
 
 def test_the_header_names_the_steps() -> None:

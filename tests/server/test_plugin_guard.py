@@ -20,6 +20,7 @@ import textwrap
 from pathlib import Path
 
 from tests.engine.conftest import requires_vllm
+from vllm_deltasync.server.vllm.plugin import PATCHES
 from vllm_deltasync.server.vllm.surface import SURFACE
 
 REPO = Path(__file__).resolve().parents[2]
@@ -27,8 +28,7 @@ REPO = Path(__file__).resolve().parents[2]
 #: (module, owner, attribute, the plugin patch it belongs to or "" for the worker's)
 SYMBOLS = [
     ("vllm.v1.engine.core", "EngineCore", "__init__", "_patch_engine_core"),
-    ("vllm.v1.engine.core", "EngineCoreProc", "run_busy_loop", "_patch_engine_core"),
-    ("vllm.v1.engine.core", "DPEngineCoreProc", "run_busy_loop", "_patch_engine_core"),
+    ("vllm.v1.engine.core", "EngineCoreProc", "_process_input_queue", "_patch_engine_core"),
     ("vllm.model_executor.layers.utils", "", "dispatch_cpu_unquantized_gemm", "_patch_cpu_gemm"),
     ("vllm.v1.executor.multiproc_executor", "WorkerProc", "_execute_worker_rpc", ""),
     ("vllm.plugins", "", "load_endpoint_plugins", "_hand_endpoint_plugin"),
@@ -39,7 +39,7 @@ QUIET = ("", "_hand_endpoint_plugin")
 CHILD = textwrap.dedent('''
     import importlib, json, os, sys
     cases = json.loads(sys.argv[1])
-    from vllm_deltasync.server.vllm import engine, plugin, surface, worker
+    from vllm_deltasync.server.vllm import engine, plugin, worker
 
     def owner(module, cls):
         m = importlib.import_module(module)
@@ -61,8 +61,8 @@ CHILD = textwrap.dedent('''
                 getattr(plugins, "load_endpoint_plugins", None), "_deltasync_patched", False)),
             "_patch_engine_core": any(
                 getattr(f, "_deltasync_patched", False)
-                for f in (core.EngineCore.__init__, vars(core.EngineCoreProc).get("run_busy_loop"),
-                          vars(core.DPEngineCoreProc).get("run_busy_loop"))),
+                for f in (core.EngineCore.__init__,
+                          vars(core.EngineCoreProc).get("_process_input_queue"))),
             "_patch_cpu_gemm": bool(getattr(getattr(utils, "dispatch_cpu_unquantized_gemm", None),
                                             "_deltasync_patched", False)),
             "": bool(getattr(getattr(proc.WorkerProc, "_execute_worker_rpc", None),
@@ -87,14 +87,17 @@ CHILD = textwrap.dedent('''
                         "installed": installed(), "surface": engine.surface_refusal()})
     restore()
     plugin.PLUGIN_REFUSALS.clear()
-    os.environ[surface.BREAK_ENV] = sys.argv[2]
+    os.environ["DELTASYNC_FAILPOINTS"] = "surface_break=" + sys.argv[2]
     broken = engine.surface_refusal()
     print("RESULTS " + json.dumps({"cases": results, "broken": broken}))
 ''')
 
 
-def test_the_table_names_each_patched_symbol_once() -> None:
+def test_at_most_five_patches_each_a_table_row_named_once() -> None:
+    """Issue 34: at most five class- or module-level patches of vLLM, the plugin's list is the
+    table's ``patched`` rows, and this test removes each of them in turn below."""
     patched = {s.name for s in SURFACE if s.kind == "patched"}
+    assert len(PATCHES) <= 5 and set(PATCHES) == patched
     assert {f"{m}:{c + '.' if c else ''}{a}" for m, c, a, _ in SYMBOLS} == patched
     assert len({s.name for s in SURFACE}) == len(SURFACE)
     for s in SURFACE:

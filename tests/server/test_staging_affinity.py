@@ -207,7 +207,7 @@ def test_staging_threads_leave_the_workers_binding(
     assert any(n.startswith("deltasync-decode") for n in names), names
     assert threads == {n: {free} for n in names}
     assert poller.placement.binding == {forward}
-    assert poller.status()["staging_cpus"] == str(free)
+    assert poller.status().staging_cpus == str(free)
 
 
 @linux

@@ -218,7 +218,7 @@ class Ledger:
         for k in truth:
             assert torch.equal(f.live[k], truth[k]), f"live {k} is not {self.describe(prev)}"
         reported = f.poller.status()
-        assert reported["applied_id"] == prev
+        assert reported.applied_id == prev
         return None if prev is None else self.by_id[prev][0]
 
     def describe(self, ident: str | None) -> str:
@@ -285,25 +285,25 @@ def test_a_rank_in_the_race_window_never_applies_across_writers(
         after = f.applied[on_a:]
         assert after == [(s, ledger.id_of("B", s)) for s in range(4)], after  # B's anchor first
         status = f.poller.status()
-        assert status["counters"]["branch_changes"] >= 1
-        assert status["branch_lost"] is None
+        assert status.counters.branch_changes >= 1
+        assert status.branch_lost is None
         return
 
     def stuck() -> bool:
         ledger.check(f, initial)
         status = f.poller.status()
-        return bool(status["branch_lost"]) and "step 2 was computed from a step 1" in (
-            status["last_error"] or "")
+        return bool(status.branch_lost) and "step 2 was computed from a step 1" in (
+            status.last_error or "")
 
     f.follow_until(stuck)
     _settle(f, 1.0)  # 5 poll intervals, 3 branch checks: nothing of B's applies
     assert ledger.check(f, initial) == "A" and len(f.applied) == on_a and f.at(2, a[2])
     status = f.poller.status()
-    assert status["applied_step"] == 2 and status["applied_id"] == ledger.id_of("A", 2)
-    assert status["counters"]["branch_changes"] == 1
-    lost = status["branch_lost"]
+    assert status.applied_step == 2 and status.applied_id == ledger.id_of("A", 2)
+    assert status.counters.branch_changes == 1
+    lost = status.branch_lost
     assert "branch changed: the applied step 2" in lost and f"writer {B}" in lost
-    assert short_id(ledger.id_of("B", 1)) in status["last_error"]  # the link it cannot cross
+    assert short_id(ledger.id_of("B", 1)) in status.last_error  # the link it cannot cross
 
     # B, the writer left standing, goes on: a new publisher starts with an anchor (step 4)
     w, g = _copy(b[3]), torch.Generator().manual_seed(11)
@@ -313,7 +313,7 @@ def test_a_rank_in_the_race_window_never_applies_across_writers(
     ledger.add("B", target, b, [4])
     f.follow_until(lambda: ledger.check(f, initial) == "B" and f.at(4, b[4]))
     assert f.applied[on_a:] == [(4, ledger.id_of("B", 4))]
-    assert f.poller.status()["branch_lost"] is None
+    assert f.poller.status().branch_lost is None
 
 
 # -- 2. interleaved commits ---------------------------------------------------------------
@@ -343,11 +343,11 @@ def test_interleaved_commits_are_never_mixed(
     initial = _zeros(a[0])
     f = follower_factory(target.url, _copy(initial), **target.follow)
     f.follow_until(lambda: ledger.check(f, initial) is None and "step 3 was computed from a step 2"
-                   in (f.poller.status()["last_error"] or ""))
+                   in (f.poller.status().last_error or ""))
     _settle(f, 1.0)
     assert ledger.check(f, initial) is None and f.applied == []
     status = f.poller.status()
-    assert status["applied_step"] is None and status["ready_steps"] == []
+    assert status.applied_step is None and status.ready_steps == ()
 
     reader = target.reader()
     try:
@@ -446,7 +446,7 @@ def test_the_loser_is_told_or_its_steps_are_refused(
             took_a2 = ids[2:-2]  # A's 2, if the rank took it in its moment in the bucket
             assert took_a2 in ([], [ledger.id_of("A", 2)]), f.applied
             # leaving A's 2 (gone from the bucket) is a branch change; A's 1 is still there
-            assert f.poller.status()["counters"]["branch_changes"] == len(took_a2)
+            assert f.poller.status().counters.branch_changes == len(took_a2)
             return
 
         pub.flush()  # the store cannot tell: A's PUT replaced B's commit unseen
@@ -476,7 +476,7 @@ def test_the_loser_is_told_or_its_steps_are_refused(
         def settled() -> bool:
             if ledger.check(f, initial) == "B":
                 return f.at(3, b[3])
-            return "step 3 was computed from a step 2" in (f.poller.status()["last_error"] or "")
+            return "step 3 was computed from a step 2" in (f.poller.status().last_error or "")
 
         f.follow_until(settled)
         _settle(f, 1.0)
@@ -549,7 +549,7 @@ def test_a_replaced_step_staged_or_being_written_is_not_mixed_with_the_new_chain
     while 3 not in f.state.ready_steps():
         assert time.monotonic() < deadline, f.poller.status()
         in_order()
-    steps, ids = f.state.ready_steps(), f.poller.status()["ready_ids"]
+    steps, ids = f.state.ready_steps(), list(f.poller.status().ready_ids)
     assert steps == sorted(set(steps)) and steps[-1] == 3, f.poller.status()
     assert ids[-2:] == [ledger.id_of("B", 2), ledger.id_of("B", 3)]
     f.follow_until(lambda: ledger.check(f, initial) == "B" and f.at(3, b[3]))

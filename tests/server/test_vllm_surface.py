@@ -18,8 +18,10 @@ import pytest
 import torch
 
 from tests.engine.conftest import requires_vllm
-from vllm_deltasync.server.vllm import surface
-from vllm_deltasync.server.vllm.surface import SURFACE, Symbol, check
+from vllm_deltasync import failpoints
+from vllm_deltasync.server import surface_check
+from vllm_deltasync.server.surface_check import check
+from vllm_deltasync.server.vllm.surface import SURFACE, Symbol
 
 
 @requires_vllm
@@ -78,7 +80,7 @@ def test_the_behaviours_the_patches_rely_on() -> None:
     assert "timeout_ms" in inspect.signature(SpinCondition.wait).parameters
 
 
-def _tree(files: dict[str, str]) -> surface.SourceReader:
+def _tree(files: dict[str, str]) -> surface_check.SourceReader:
     def read(module: str) -> tuple[str, bool] | None:
         if module + ".__init__" in files:
             return textwrap.dedent(files[module + ".__init__"]), True
@@ -125,7 +127,7 @@ def test_the_checker_finds_what_moved() -> None:
 
 
 def test_the_break_failpoint_names_the_symbol(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(surface.BREAK_ENV, SURFACE[3].name)
+    monkeypatch.setenv(failpoints.VARIABLE, failpoints.spec("surface_break", SURFACE[3].name))
     found = check(_tree({}), SURFACE[:5])
     assert [f.problem.startswith("made to fail") for f in found] == [False] * 3 + [True, False]
 
@@ -135,9 +137,9 @@ def test_a_drafter_symbol_refuses_only_the_drafter(monkeypatch: pytest.MonkeyPat
     drafter only: the engine's refusal does not name it, the drafter's does."""
     drafter = [s for s in SURFACE if s.scope == "drafter"]
     assert drafter and all(s.scope == "engine" for s in SURFACE if s not in drafter)
-    monkeypatch.setenv(surface.BREAK_ENV, drafter[0].name)
-    assert not any(drafter[0].name in line for line in surface.cached_problems())
-    assert any(drafter[0].name in line for line in surface.cached_problems("drafter"))
-    monkeypatch.setenv(surface.BREAK_ENV, SURFACE[0].name)
-    assert not any(SURFACE[0].name in line for line in surface.cached_problems("drafter"))
-    assert any(SURFACE[0].name in line for line in surface.cached_problems())
+    monkeypatch.setenv(failpoints.VARIABLE, failpoints.spec("surface_break", drafter[0].name))
+    assert not any(drafter[0].name in line for line in surface_check.cached_problems())
+    assert any(drafter[0].name in line for line in surface_check.cached_problems("drafter"))
+    monkeypatch.setenv(failpoints.VARIABLE, failpoints.spec("surface_break", SURFACE[0].name))
+    assert not any(SURFACE[0].name in line for line in surface_check.cached_problems("drafter"))
+    assert any(SURFACE[0].name in line for line in surface_check.cached_problems())

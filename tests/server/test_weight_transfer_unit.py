@@ -1,7 +1,7 @@
 """Weight-transfer backend ``deltasync``, engine-core and worker sides, without an engine.
 
 The coordinator in trainer-driven mode (``Coordinator(trainer_driven=True)``) on the stand-in
-engine and ranks of ``test_coordinator_unit.py``: ticks never switch; ``update_to`` waits until
+engine and ranks of ``conftest.py``: ticks never switch; ``update_to`` waits until
 every rank has the step staged and switches every rank as a tick would; the same step again is
 a no-op; an older step, a step applied with another identity, a step not staged in time, a
 switch taken back, a coordinator that refused: each a ``WeightUpdateRefused`` naming the step.
@@ -20,22 +20,20 @@ from typing import Any
 import pytest
 
 from tests.engine.conftest import requires_vllm
-from tests.server.test_coordinator_unit import Engine, Pause, Rank
-from vllm_deltasync.config import SyncConfig
-from vllm_deltasync.server.engine.coordinator import (
-    Coordinator,
-    WeightUpdateRefused,
-    staged_target,
-)
+from vllm_deltasync.server.engine import trainer
+from vllm_deltasync.server.engine.admission import EngineFacts, coordinator_config
+from vllm_deltasync.server.engine.coordinator import Coordinator
+from vllm_deltasync.server.engine.trainer import WeightUpdateRefused
+from vllm_deltasync.server.messages import RankStatus, TargetStatus
 from vllm_deltasync.server.vllm import engine as engine_glue
+
+from .conftest import FakeEngine as Engine
+from .conftest import FakeRank as Rank
+from .conftest import make_coordinator
 
 
 def driven(ranks: list[Rank], **config: Any) -> tuple[Coordinator, Engine]:
-    engine = Engine(ranks)
-    coord = Coordinator(engine, SyncConfig(url="file:///tmp/bucket", metrics_port=0, **config),
-                        wake=None, pause_states=Pause, trainer_driven=True)
-    coord.active = True
-    return coord, engine
+    return make_coordinator(ranks, trainer_driven=True, **config)
 
 
 def test_ticks_stage_but_never_switch() -> None:
@@ -52,7 +50,7 @@ def test_update_switches_every_rank_then_the_same_step_is_a_no_op() -> None:
     assert out["switched"] is True and out["step"] == 3
     assert {(r.applied, r.weights, r.pending) for r in engine.ranks} == {(3, 3, None)}
     assert engine.version == "3" and engine.prefix_resets == 1
-    assert coord.switches[-1]["identity"] == "sha256:3"
+    assert coord.primary.switches[-1].identity == "sha256:3"
     assert coord.update_to(3, "sha256:3") == {"step": 3, "identity": "sha256:3",
                                               "switched": False}
     assert coord.update_to(4)["switched"] is True  # identity None: steps only
@@ -113,19 +111,6 @@ def test_a_refused_coordinator_says_why() -> None:
         coord.update_to(3)
 
 
-def test_staged_target_is_identity_aware() -> None:
-    a = {"applied_step": 2, "applied_id": "x2", "ready_steps": [3, 4], "ready_ids": ["x3", "x4"]}
-    assert staged_target([a, dict(a)], 4, "x4") == (4, "x4")
-    assert staged_target([a, dict(a)], 4, None) == (4, "x4")
-    assert staged_target([a, dict(a, ready_ids=["x3", "y4"])], 4, None) is None
-    assert staged_target([a, dict(a, applied_step=3)], 4, None) is None
-    assert staged_target([a, dict(a)], 4, "other") is None
-    reset = [{"applied_step": None, "ready_steps": [5, 9], "ready_ids": ["5", "9"]},
-             {"applied_step": None, "ready_steps": [9], "ready_ids": ["9"]}]
-    assert staged_target(reset, 9, "9") is None  # prefix rule: the queues differ
-    assert staged_target(reset, 9, "9", after_reset=True) == (9, "9")
-
-
 # ------------------------------------------------------------------------- engine-core hook
 
 
@@ -146,17 +131,18 @@ def test_the_hook_takes_update_weights_and_passes_the_rest_on() -> None:
     coord, engine = driven([Rank(0, ready=(3,)), Rank(1, ready=(3,))])
     core = _Core(coord)
     engine_glue._hook_weight_transfer(core)
-    assert core.collective_rpc("start_weight_update") == ["vllm"]
-    assert core.collective_rpc("update_weights",
-                               kwargs={"update_info": {"step": 3, "identity": "sha256:3"}}) \
-        == [None, None]
-    assert [c[0] for c in core.calls] == ["start_weight_update"]
-    assert engine.version == "3"
     # init: the trainer's bucket is checked in the engine core, then the workers are called
     core.collective_rpc("init_weight_transfer_engine",
                         kwargs={"init_info": {"url": "FILE://u:p@/tmp/bucket/"}})
     core.collective_rpc("init_weight_transfer_engine", kwargs={"init_info": {}})
-    assert [c[0] for c in core.calls][-2:] == ["init_weight_transfer_engine"] * 2
+    assert [c[0] for c in core.calls] == ["init_weight_transfer_engine"] * 2
+    assert core.collective_rpc("start_weight_update") == ["vllm"]
+    assert core.collective_rpc("update_weights",
+                               kwargs={"update_info": {"step": 3, "identity": "sha256:3"}}) \
+        == [None, None]
+    assert core.collective_rpc("finish_weight_update") == ["vllm"]
+    assert [c[0] for c in core.calls][2:] == ["start_weight_update", "finish_weight_update"]
+    assert engine.version == "3"
     with pytest.raises(ValueError, match="publishes to file:///elsewhere but this server "
                                          "follows file:///tmp/bucket"):
         core.collective_rpc("init_weight_transfer_engine",
@@ -164,7 +150,7 @@ def test_the_hook_takes_update_weights_and_passes_the_rest_on() -> None:
     coord.active, coord.last_error = False, "rank 1: refused"
     with pytest.raises(RuntimeError, match="does not follow on this server: rank 1: refused"):
         core.collective_rpc("init_weight_transfer_engine", kwargs={"init_info": {}})
-    assert len(core.calls) == 3  # neither error reached the workers
+    assert len(core.calls) == 4  # neither error reached the workers
     core._deltasync_coord = None
     with pytest.raises(RuntimeError, match="needs a deltasync bucket"):
         core.collective_rpc("update_weights", kwargs={"update_info": {"step": 4}})
@@ -172,27 +158,60 @@ def test_the_hook_takes_update_weights_and_passes_the_rest_on() -> None:
     assert core.calls[-1][0] == "init_weight_transfer_engine"  # the workers say what is missing
 
 
+def test_A3_update_weights_out_of_vllm_protocol_order_is_refused() -> None:
+    """Red team A3: ``update_weights({"step": 0})`` before ``init_weight_transfer_engine`` and
+    without ``start_weight_update`` switched the engine. vLLM's protocol is init, start,
+    update, finish: each call out of that order is refused, naming the order, and nothing
+    reaches the workers or switches."""
+    coord, engine = driven([Rank(0, ready=(3,)), Rank(1, ready=(3,))])
+    core = _Core(coord)
+    engine_glue._hook_weight_transfer(core)
+    update = {"update_info": {"step": 3}}
+    with pytest.raises(WeightUpdateRefused, match="without init_weight_transfer_engine first"):
+        core.collective_rpc("update_weights", kwargs=update)
+    with pytest.raises(WeightUpdateRefused, match="start_weight_update before init"):
+        core.collective_rpc("start_weight_update")
+    core.collective_rpc("init_weight_transfer_engine", kwargs={"init_info": {}})
+    with pytest.raises(WeightUpdateRefused, match="without start_weight_update first"):
+        core.collective_rpc("update_weights", kwargs=update)
+    with pytest.raises(WeightUpdateRefused, match="finish_weight_update without start"):
+        core.collective_rpc("finish_weight_update")
+    assert engine.version == "2" and "deltasync_apply" not in engine.calls
+    assert [c[0] for c in core.calls] == ["init_weight_transfer_engine"]
+    core.collective_rpc("start_weight_update")
+    with pytest.raises(WeightUpdateRefused, match="while an update is active"):
+        core.collective_rpc("start_weight_update")
+    core.collective_rpc("update_weights", kwargs=update)
+    core.collective_rpc("finish_weight_update")
+    assert engine.version == "3"
+
+
 def test_update_info_parsing() -> None:
-    assert engine_glue.update_info_step({"step": 3}) == (3, None)
-    assert engine_glue.update_info_step([{"step": 3, "identity": "i"}] * 2) == (3, "i")
+    assert trainer.update_info_step({"step": 3}) == (3, None)
+    assert trainer.update_info_step([{"step": 3, "identity": "i"}] * 2) == (3, "i")
     with pytest.raises(ValueError, match="takes 'step'"):
-        engine_glue.update_info_step({"names": ["w"]})
+        trainer.update_info_step({"names": ["w"]})
     with pytest.raises(ValueError, match="differs between workers"):
-        engine_glue.update_info_step([{"step": 3}, {"step": 4}])
+        trainer.update_info_step([{"step": 3}, {"step": 4}])
     with pytest.raises(ValueError, match="must be"):
-        engine_glue.update_info_step(None)
+        trainer.update_info_step(None)
 
 
 def test_another_backend_with_a_bucket_is_refused_in_one_line() -> None:
-    def cfg(backend: str | None) -> Any:
-        transfer = None if backend is None else SimpleNamespace(backend=backend)
-        return SimpleNamespace(weight_transfer_config=transfer)
+    def facts(backend: str | None) -> EngineFacts:
+        return EngineFacts(data_parallel_size=1, data_parallel_index=0, is_moe=False,
+                           executor_backend="mp", ranks_per_model=1,
+                           weight_transfer_backend=backend,
+                           additional_config={"deltasync": {"url": "file:///b"}})
 
-    assert engine_glue.weight_transfer_conflict(cfg(None)) is None
-    assert engine_glue.weight_transfer_conflict(cfg("deltasync")) is None
-    why = engine_glue.weight_transfer_conflict(cfg("nccl"))
+    assert trainer.conflict(None) is None and trainer.conflict("deltasync") is None
+    why = trainer.conflict("nccl")
     assert why is not None and "\n" not in why
     assert "'nccl'" in why and "VLLM_DELTASYNC_URL" in why and '"backend": "deltasync"' in why
+    found = coordinator_config(facts("nccl"), {}, None)
+    assert found is not None and found[1] == why
+    found = coordinator_config(facts("deltasync"), {}, None)
+    assert found is not None and found[1] is None
 
 
 # ------------------------------------------------------------------------------ the receiver
@@ -269,7 +288,8 @@ class _StartingCore:
     def collective_rpc(self, method: str, timeout: float | None = None,
                        args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> Any:
         self.calls.append(method)
-        return [{"rank": 0, "applied_step": None, "last_error": args[0] if args else None}]
+        status = TargetStatus(rank=0, model="policy", last_error=args[0] if args else None)
+        return [RankStatus({"policy": status}, "policy").to_wire()]
 
     def get_weight_version(self) -> str:
         return "0"

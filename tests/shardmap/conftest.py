@@ -189,3 +189,22 @@ def sha256_bytes(t: torch.Tensor) -> str:
 def no_grad() -> Iterator[None]:
     with torch.no_grad():
         yield
+
+
+def target_rank(model: torch.nn.Module, ckpt: Path, config: Any, *, row: Any = None,
+                weights: tuple[torch.nn.Module, Path] | None = None,
+                drafter: tuple[torch.nn.Module, Path] | None = None,
+                bucket_params: Any = None) -> Any:
+    """A real ``TargetRank`` of target ``row`` (the policy by default) on a rank whose policy is
+    ``model`` loaded from ``ckpt`` (``drafter``: the draft model it also runs), with vLLM's own
+    loaders for the shard-map probe."""
+    from vllm_deltasync.server.targets import POLICY
+    from vllm_deltasync.server.vllm.loaders import LOADER
+    from vllm_deltasync.server.worker.target import TargetRank
+    from vllm_deltasync.server.worker.view import WorkerView
+
+    row = POLICY if row is None else row
+    view = WorkerView(rank=0, model=model, model_path=str(ckpt), loader=LOADER,
+                      drafter=None if drafter is None else (drafter[0], str(drafter[1])))
+    mine = (model, str(ckpt)) if weights is None else (weights[0], str(weights[1]))
+    return TargetRank(view, row, row.source(config), mine, bucket_params=bucket_params)

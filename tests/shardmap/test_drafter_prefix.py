@@ -1,6 +1,7 @@
 """``drafter_prefix``: a draft head's tensors travel in the policy's own bucket (issue 26).
 
-Two real ``RankState``s (vLLM's own Llama module each, real shard maps and pollers) follow one
+Two real ``TargetRank``s, the policy's and the drafter's (vLLM's own Llama module each, real
+shard maps and pollers) follow one
 file:// bucket into which a trainer publishes a policy and, under ``head.``, a second model of
 the same shapes trained apart (as an EAGLE head is trained beside the policy). The policy's
 state reads only the unprefixed tensors, the drafter's only the prefixed ones, the prefix
@@ -11,22 +12,23 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from types import SimpleNamespace
-from typing import Any
 
+import pytest
 import torch
 
 from vllm_deltasync import DeltaPublisher
 from vllm_deltasync.config import SyncConfig
+from vllm_deltasync.errors import ConfigError
+from vllm_deltasync.server.messages import CommitOutcome
+from vllm_deltasync.server.targets import DRAFTER
+from vllm_deltasync.server.vllm.loaders import LOADER
 from vllm_deltasync.server.worker.apply import checkpoint_digest, tensor_digest
-from vllm_deltasync.server.worker.rank import RankState, checkpoint_params
+from vllm_deltasync.server.worker.checkpoint import checkpoint_params
+from vllm_deltasync.server.worker.rank import Rank
+from vllm_deltasync.server.worker.target import TargetRank, bucket_params
+from vllm_deltasync.server.worker.view import WorkerView
 
-from .conftest import TPWorld, live_checkpoint
-
-
-def _worker(model: torch.nn.Module, ckpt: Path) -> Any:
-    return SimpleNamespace(rank=0, model_runner=SimpleNamespace(model=model),
-                           vllm_config=SimpleNamespace(model_config=SimpleNamespace(model=str(ckpt))))
+from .conftest import TPWorld, live_checkpoint, target_rank
 
 
 def _train(state: dict[str, torch.Tensor], seed: int) -> None:
@@ -37,14 +39,14 @@ def _train(state: dict[str, torch.Tensor], seed: int) -> None:
         bits[mask] += 1
 
 
-def _apply_ready(rank: RankState, step: int) -> None:
+def _apply_ready(rank: TargetRank, step: int) -> None:
     deadline = time.monotonic() + 30
     while step not in rank.sync.ready_steps():
-        assert rank.status()["last_error"] is None, rank.status()["last_error"]
+        assert rank.status().last_error is None, rank.status().last_error
         assert time.monotonic() < deadline, f"step {step} never staged: {rank.status()}"
         time.sleep(0.01)
-    rank.apply(step)
-    assert rank.commit(step)
+    assert rank.switch.apply(step).ok
+    assert rank.switch.commit(step).outcome is CommitOutcome.COMMITTED
 
 
 def test_policy_and_head_split_one_bucket(tp_world: TPWorld, tmp_path: Path) -> None:
@@ -54,17 +56,17 @@ def test_policy_and_head_split_one_bucket(tp_world: TPWorld, tmp_path: Path) -> 
     d_ckpt, d_live, head = live_checkpoint(tp_world, tmp_path / "d", "llama_gqa", seed=22)
     url = f"file://{tmp_path}/bucket"
     config = SyncConfig(url=url, poll_interval_s=0.01, drafter_prefix="head.")
-    whole = {**checkpoint_params(str(p_ckpt)),
-             **{f"head.{n}": v for n, v in checkpoint_params(str(d_ckpt)).items()}}
     with DeltaPublisher(url, anchor_every=100) as pub:
         pub.publish(0, [*policy.items(), *((f"head.{n}", t) for n, t in head.items())])
         for step in (1, 2):
             _train(policy, seed=step)
             _train(head, seed=100 + step)
             pub.publish(step, [*policy.items(), *((f"head.{n}", t) for n, t in head.items())])
-    ranks = [RankState(_worker(p_live, p_ckpt), config, bucket_params=whole),
-             RankState(_worker(d_live, p_ckpt), config.for_drafter(), model=d_live,
-                       model_path=str(d_ckpt), role="drafter", bucket_params=whole)]
+    whole = bucket_params(checkpoint_params(str(p_ckpt)),
+                          {"head.": checkpoint_params(str(d_ckpt))})
+    ranks = [target_rank(p_live, p_ckpt, config, bucket_params=whole),
+             target_rank(p_live, p_ckpt, config, row=DRAFTER, weights=(d_live, d_ckpt),
+                         bucket_params=whole)]
     assert ranks[0].fingerprint == ranks[1].fingerprint is not None
     try:
         for rank in ranks:
@@ -76,9 +78,9 @@ def test_policy_and_head_split_one_bucket(tp_world: TPWorld, tmp_path: Path) -> 
                 if name in rank.shardmap.ignored or name in rank.shardmap.covered_by:
                     continue
                 assert tensor_digest(rank.shardmap, name) == checkpoint_digest(
-                    rank.shardmap, name, tensor), (rank.role, name)
+                    rank.shardmap, name, tensor), (rank.name, name)
         # each downloaded only its own tensors (the two models are the same size)
-        got = [r.status()["counters"]["downloaded_bytes"] for r in ranks]
+        got = [r.status().counters.downloaded_bytes for r in ranks]
         assert all(0.8 < g["delta"] / got[0]["delta"] < 1.25 for g in got), got
     finally:
         for rank in ranks:
@@ -93,15 +95,31 @@ def test_a_fingerprint_without_the_head_is_refused(tp_world: TPWorld, tmp_path: 
     whole = {**checkpoint_params(str(p_ckpt)), "head.fc.weight": ((4, 4), "BF16")}
     with DeltaPublisher(url, anchor_every=100) as pub:
         pub.publish(0, policy.items())
-    rank = RankState(_worker(p_live, p_ckpt), SyncConfig(url=url, poll_interval_s=0.01,
-                                                         drafter_prefix="head."),
-                     bucket_params=whole)
+    rank = target_rank(p_live, p_ckpt, SyncConfig(url=url, poll_interval_s=0.01,
+                                                  drafter_prefix="head."), bucket_params=whole)
     try:
         rank.follow()
         deadline = time.monotonic() + 30
-        while "fingerprint" not in str(rank.status().get("last_error")):
+        while "fingerprint" not in str(rank.status().last_error):
             assert time.monotonic() < deadline, rank.status()
             time.sleep(0.01)
         assert rank.sync.ready_steps() == []
     finally:
         rank.close()
+
+
+def test_S1_a_drafter_prefix_matching_policy_tensors_is_refused_at_start(
+        tp_world: TPWorld, tmp_path: Path) -> None:
+    """Red team S1: ``drafter_prefix="model."`` (every policy tensor but the lm_head starts with
+    it), with or without a draft model: the policy would skip its own anchor tensors and report
+    steps applied that it never wrote. Refused at start, with one line naming the option."""
+    p_ckpt, p_live, _ = live_checkpoint(tp_world, tmp_path, "llama_gqa", seed=24)
+    config = SyncConfig(url=f"file://{tmp_path}/bucket", drafter_prefix="model.")
+    for drafter in (None, (p_live, str(p_ckpt))):
+        view = WorkerView(rank=0, model=p_live, model_path=str(p_ckpt), loader=LOADER,
+                          drafter=drafter)
+        with pytest.raises(ConfigError) as err:
+            Rank.build(view, config, missing=lambda scope: [])
+        message = str(err.value)
+        assert "'model.'" in message and "drafter_prefix" in message and "\n" not in message
+        assert "policy" in message and "e.g. 'model." in message

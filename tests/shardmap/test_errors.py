@@ -9,6 +9,7 @@ import torch
 
 from vllm_deltasync.errors import ApplyError
 from vllm_deltasync.format.codec import TensorPatch
+from vllm_deltasync.server.vllm.loaders import LOADER
 from vllm_deltasync.server.worker.apply import (
     apply_patches,
     checkpoint_digest,
@@ -26,20 +27,20 @@ def test_unknown_name_is_an_error_naming_it(tp_world: TPWorld) -> None:
     params = tp_world.model("llama_gqa").checkpoint_params()
     params["model.layers.0.mlp.bogus_proj.weight"] = ((4, 4), "bfloat16")
     with pytest.raises(ApplyError, match=r"'model\.layers\.0\.mlp\.bogus_proj\.weight'"):
-        ShardMap.from_model(tp_world.build("llama_gqa", 2, 1), params)
+        ShardMap.from_model(tp_world.build("llama_gqa", 2, 1), params, loader=LOADER)
 
 
 def test_wrong_shape_is_an_error_naming_it(tp_world: TPWorld) -> None:
     params = tp_world.model("llama_gqa").checkpoint_params()
     params["model.norm.weight"] = ((65,), "bfloat16")
     with pytest.raises(ApplyError, match=r"'model\.norm\.weight'"):
-        ShardMap.from_model(tp_world.build("llama_gqa", 1, 0), params)
+        ShardMap.from_model(tp_world.build("llama_gqa", 1, 0), params, loader=LOADER)
 
 
 def test_tied_lm_head_is_covered_by_the_embedding(tp_world: TPWorld) -> None:
     params = tp_world.model("llama_tied").checkpoint_params()
     params["lm_head.weight"] = params["model.embed_tokens.weight"]
-    shardmap = ShardMap.from_model(tp_world.build("llama_tied", 2, 1), params)
+    shardmap = ShardMap.from_model(tp_world.build("llama_tied", 2, 1), params, loader=LOADER)
     assert shardmap.covered_by == {"lm_head.weight": "model.embed_tokens.weight"}
     assert "tied" in shardmap.ignored["lm_head.weight"]
     patch = TensorPatch("lm_head.weight", (100, 64), torch.tensor([3, 4000]),
@@ -52,14 +53,14 @@ def test_tied_lm_head_is_covered_by_the_embedding(tp_world: TPWorld) -> None:
 
 def test_untied_lm_head_is_not_ignored(tp_world: TPWorld) -> None:
     params = tp_world.model("llama_gqa").checkpoint_params()
-    shardmap = ShardMap.from_model(tp_world.build("llama_gqa", 2, 0), params)
+    shardmap = ShardMap.from_model(tp_world.build("llama_gqa", 2, 0), params, loader=LOADER)
     assert shardmap.ignored == {} and len(shardmap.targets("lm_head.weight")) == 1
 
 
 def test_rotary_inv_freq_is_ignored_explicitly(tp_world: TPWorld) -> None:
     params = tp_world.model("qwen2_bias").checkpoint_params()
     params[INV_FREQ] = ((4,), "bfloat16")
-    shardmap = ShardMap.from_model(tp_world.build("qwen2_bias", 2, 0), params)
+    shardmap = ShardMap.from_model(tp_world.build("qwen2_bias", 2, 0), params, loader=LOADER)
     assert shardmap.ignored == {INV_FREQ: "buffer recomputed by the engine"}
     with pytest.raises(ApplyError, match="not held by the engine"):
         tensor_digest(shardmap, INV_FREQ)
@@ -98,12 +99,12 @@ class _Toy(torch.nn.Module):
 
 
 def _toy_map(name: str) -> ShardMap:
-    return ShardMap.from_model(_Toy(), {name: ((4, 6), "bfloat16")})
+    return ShardMap.from_model(_Toy(), {name: ((4, 6), "bfloat16")}, loader=LOADER)
 
 
 def test_one_element_in_several_places_returns_all() -> None:
     toy = _Toy()
-    shardmap = ShardMap.from_model(toy, {"twice": ((4, 6), "bfloat16")})
+    shardmap = ShardMap.from_model(toy, {"twice": ((4, 6), "bfloat16")}, loader=LOADER)
     patch = TensorPatch("twice", (4, 6), torch.tensor([1, 13]),
                         torch.tensor([5.0, 6.0], dtype=torch.bfloat16))
     pieces = shardmap.translate(patch)
@@ -124,16 +125,16 @@ def test_one_element_in_several_places_returns_all() -> None:
 def test_loaders_it_cannot_represent_are_errors(name: str, match: str) -> None:
     toy = _Toy()
     with pytest.raises(ApplyError, match=match) as info:
-        ShardMap.from_model(toy, {name: ((4, 6), "bfloat16")})
+        ShardMap.from_model(toy, {name: ((4, 6), "bfloat16")}, loader=LOADER)
     assert repr(name) in str(info.value)
     assert toy.a.shape == (4, 6) and toy.a.device.type == "cpu"  # restored after "replaced"
 
 
 def test_two_names_writing_the_same_place() -> None:
-    shardmap = ShardMap.from_model(_Toy(), {n: ((4, 6), "bfloat16") for n in ("tied", "tied_alias")})
+    shardmap = ShardMap.from_model(_Toy(), {n: ((4, 6), "bfloat16") for n in ("tied", "tied_alias")}, loader=LOADER)
     assert shardmap.covered_by == {"tied_alias": "tied"}  # applied once, never twice
     with pytest.raises(ApplyError, match="'top' and 'middle' both write 'a'"):
-        ShardMap.from_model(_Toy(), {n: ((4, 6), "bfloat16") for n in ("top", "middle")})
+        ShardMap.from_model(_Toy(), {n: ((4, 6), "bfloat16") for n in ("top", "middle")}, loader=LOADER)
 
 
 def test_whole_tensor_dtype_conversion_is_followed() -> None:
@@ -144,7 +145,7 @@ def test_whole_tensor_dtype_conversion_is_followed() -> None:
 
 def test_device_move_is_followed() -> None:
     toy = _Toy()
-    shardmap = ShardMap.from_model(toy, {"moved": ((4, 6), "bfloat16")})
+    shardmap = ShardMap.from_model(toy, {"moved": ((4, 6), "bfloat16")}, loader=LOADER)
     patch = TensorPatch("moved", (4, 6), torch.tensor([1, 13]),
                         torch.tensor([5.0, 6.0], dtype=torch.bfloat16))
     apply_patches(prepare(shardmap.translate(patch)))
@@ -176,7 +177,7 @@ def test_bad_patches_are_refused(patch: TensorPatch, match: str) -> None:
 def test_json_round_trip_translates_the_same(tp_world: TPWorld) -> None:
     params = tp_world.model("qwen2_bias").checkpoint_params()
     model = tp_world.build("qwen2_bias", 4, 3)
-    shardmap = ShardMap.from_model(model, params)
+    shardmap = ShardMap.from_model(model, params, loader=LOADER)
     again = ShardMap.from_json(shardmap.to_json(), dict(model.named_parameters()))
     gen = torch.Generator().manual_seed(0)
     for name, (shape, _) in params.items():

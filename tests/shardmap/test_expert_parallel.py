@@ -29,6 +29,7 @@ from typing import Any
 import pytest
 import torch
 
+from vllm_deltasync.server.vllm.loaders import LOADER
 from vllm_deltasync.server.worker.apply import apply_patches, prepare
 from vllm_deltasync.server.worker.rank import checkpoint_params
 from vllm_deltasync.server.worker.shardmap import ShardMap, translate_all
@@ -115,7 +116,7 @@ def test_experts_land_once_where_vllm_puts_them(ep_world: TPWorld, family: str, 
         maps = _expert_maps(live)
         assert sorted(maps) == [0, 1], where
         live.load_weights(iter(base.items()))  # vLLM's own loader, full checkpoint
-        shardmap = ShardMap.from_model(live, params)
+        shardmap = ShardMap.from_model(live, params, loader=LOADER)
         local_counts.append(int((maps[0][0] >= 0).sum()))
         for name, m in experts.items():
             layer, expert = int(m.group(1)), int(m.group(2))
@@ -156,14 +157,14 @@ def test_ep_declined_experts_are_ignored_but_unknown_names_still_fail(ep_world: 
 
     kind, params = _ep_model(ep_world, "qwen3_moe")
     live = ep_world.build(kind, 4, 0)
-    shardmap = ShardMap.from_model(live, params)
+    shardmap = ShardMap.from_model(live, params, loader=LOADER)
     declined = [n for n, why in shardmap.ignored.items() if "not on this rank" in why]
     assert len(declined) == 2 * 9 * 3  # 9 of 12 experts elsewhere, 2 layers, 3 projections
     bad = dict(params)
     bad["model.layers.0.mlp.experts.3.gate_projx.weight"] = bad.pop(
         "model.layers.0.mlp.experts.3.gate_proj.weight")
     with pytest.raises(ApplyError, match="gate_projx"):
-        ShardMap.from_model(live, bad)
+        ShardMap.from_model(live, bad, loader=LOADER)
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
@@ -188,10 +189,10 @@ def test_expert_families_placed_by_stride_equal_probing_every_name(
     for rank in sorted({0, ep - 1}):
         where = f"{family} EP={ep} rank={rank}"
         live = ep_world.build(kind, ep, rank)
-        fast = ShardMap.from_model(live, params)
+        fast = ShardMap.from_model(live, params, loader=LOADER)
         with monkeypatch.context() as m:
             m.setattr(_shardprobe, "MIN_FAMILY", 10**9)
-            slow = ShardMap.from_model(live, params)
+            slow = ShardMap.from_model(live, params, loader=LOADER)
         assert fast.ignored == slow.ignored, where
         live.load_weights(iter(random_checkpoint(params, seed=rank).items()))  # loaders intact
         for name in params:
@@ -224,7 +225,7 @@ def test_an_ep_rank_fetches_only_its_own_experts(ep_world: TPWorld, hub: Any,
         pub.publish(1, after)
         pub.flush()
     live = ep_world.build(kind, 4, 1)
-    shardmap = ShardMap.from_model(live, params)
+    shardmap = ShardMap.from_model(live, params, loader=LOADER)
     held = {n for n in params if shardmap.targets(n)}
     experts = {n for n in params if EXPERT_NAME.match(n)}
     assert experts - held and experts & held  # some experts here, most elsewhere

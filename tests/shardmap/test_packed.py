@@ -18,7 +18,6 @@ vLLM's ``cpu_unquantized_gemm`` calls them. Shows:
 from __future__ import annotations
 
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -26,13 +25,13 @@ import torch
 
 from vllm_deltasync.config import SyncConfig
 from vllm_deltasync.server.worker.packed import PackedLayers
-from vllm_deltasync.server.worker.rank import RankState
+from vllm_deltasync.server.worker.target import TargetRank
 
 from ..conftest import NO_PACKING, vllm_cpu_dispatch, vllm_packs_bf16_linears
-from .conftest import TPWorld, live_checkpoint
+from .conftest import TPWorld, live_checkpoint, target_rank
 
 
-def _packed_rank(tp_world: TPWorld, tmp_path: Path) -> RankState:
+def _packed_rank(tp_world: TPWorld, tmp_path: Path) -> TargetRank:
     from vllm.model_executor.layers.linear import LinearBase
     from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
 
@@ -43,10 +42,7 @@ def _packed_rank(tp_world: TPWorld, tmp_path: Path) -> RankState:
     for module in live.modules():
         if isinstance(module, (LinearBase, ParallelLMHead)):
             _install_packed(original, module)
-    worker = SimpleNamespace(
-        rank=0, model_runner=SimpleNamespace(model=live),
-        vllm_config=SimpleNamespace(model_config=SimpleNamespace(model=str(ckpt))))
-    state = RankState(worker, SyncConfig(url=f"file://{tmp_path}/bucket"))
+    state = target_rank(live, ckpt, SyncConfig(url=f"file://{tmp_path}/bucket"))
     if not state.packed:
         state.close()
         pytest.skip(NO_PACKING)
@@ -68,7 +64,7 @@ def _forward(packed: PackedLayers) -> Any:
     return lambda: torch.cat([o.reshape(-1).float() for o in _outputs(packed)])
 
 
-def _writers(state: RankState, param: torch.Tensor) -> tuple[str, list[str]]:
+def _writers(state: TargetRank, param: torch.Tensor) -> tuple[str, list[str]]:
     """``param``'s runtime name and the checkpoint names written into it."""
     names = [n for n in state.shardmap.names
              if any(t.param is param for t in state.shardmap.targets(n))]
@@ -163,17 +159,21 @@ def test_kernels_packed_ahead_equal_kernels_packed_at_the_switch(
                                    before[packed.layers.index(down)])
 
             # kept for the rank's next switch only while no write of ours came between
-            state._prebuilt = packed.prebuild(2, state.write_seq, pieces, 1 << 30)
-            seq = state.write_seq
-            with state._writing():
-                with state._writing():  # a put-back inside a failed apply: still writing
-                    assert state.write_seq % 2 == 1
-                assert state.write_seq % 2 == 1
-            assert state.write_seq == seq + 2
-            assert state._take_prebuilt(2) is None
+            writes = state.writes
+            seq = writes.seq
+            assert writes.offer(packed.prebuild(2, seq, pieces, 1 << 30), seq, lambda: True)
+            with writes.writing():
+                with writes.writing():  # a put-back inside a failed apply: still writing
+                    assert writes.seq % 2 == 1
+                assert writes.seq % 2 == 1
+            assert writes.seq == seq + 2
+            assert writes.take(2) is None
             assert packed.status()["prebuilt_discarded"] == 1
-            state._prebuilt = packed.prebuild(3, state.write_seq, pieces, 1 << 30)
-            assert state._take_prebuilt(3) is not None and seq != state.write_seq
+            built = packed.prebuild(3, writes.seq, pieces, 1 << 30)
+            assert not writes.offer(built, seq, lambda: True)  # packed from older weights
+            assert packed.status()["prebuilt_discarded"] == 2
+            assert writes.offer(built, writes.seq, lambda: True)
+            assert writes.take(3) is not None and seq != writes.seq
         assert packed.status()["prebuilt_used"] == 1
     finally:
         state.poller.close()

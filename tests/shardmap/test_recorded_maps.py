@@ -12,6 +12,7 @@ import os
 
 import pytest
 
+from vllm_deltasync.server.vllm.loaders import LOADER
 from vllm_deltasync.server.worker.shardmap import ShardMap
 
 from .conftest import RECORDED, TPWorld
@@ -21,7 +22,7 @@ from .conftest import RECORDED, TPWorld
 @pytest.mark.parametrize("kind", ["llama2_7b", "qwen2_7b"])
 def test_recorded_7b_maps_match_vllm(tp_world: TPWorld, kind: str, rank: int) -> None:
     params = tp_world.model(kind).checkpoint_params()
-    shardmap = ShardMap.from_model(tp_world.build(kind, 2, rank), params)
+    shardmap = ShardMap.from_model(tp_world.build(kind, 2, rank), params, loader=LOADER)
     path = RECORDED / f"{kind}_tp2_rank{rank}.json"
     if os.environ.get("DELTASYNC_RECORD_SHARDMAPS") == "1":
         RECORDED.mkdir(exist_ok=True)

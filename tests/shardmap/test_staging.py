@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import vllm_deltasync.server.worker.apply as apply_mod
+from vllm_deltasync.server.vllm.loaders import LOADER
 from vllm_deltasync.server.worker.apply import (
     INDEX_SPAN,
     Undo,
@@ -134,14 +135,14 @@ def test_staged_bytes_per_changed_element_of_bf16(tp_world: TPWorld, tp: int) ->
     live, ref = tp_world.build("llama_gqa", tp, tp - 1), tp_world.build("llama_gqa", tp, tp - 1)
     live.load_weights(iter(full.items()))
     ref.load_weights(iter(full.items()))
-    shardmap = ShardMap.from_model(live, params)
+    shardmap = ShardMap.from_model(live, params, loader=LOADER)
     staged = prepare(merge_pieces(compact(translate_all(shardmap, sparse))))
     written = sum(p.values.numel() for p in staged)
     assert written > 0 and staged_nbytes(staged) <= 6 * written
     before = state_bits(live)
     undo = Undo()
     apply_patches(staged, undo)
-    ref_map = ShardMap.from_model(ref, params)
+    ref_map = ShardMap.from_model(ref, params, loader=LOADER)
     apply_patches(translate_all(ref_map, sparse))  # int64, unprepared
     want = state_bits(ref)
     for name, bits in state_bits(live).items():

@@ -1,6 +1,6 @@
 """One owner for a rank's sync state, driven from the poller thread and the main thread at once.
 
-A real ``RankState`` (vLLM's own Llama module, a real shard map, a real ``Poller`` following a
+A real ``TargetRank`` (vLLM's own Llama module, a real shard map, a real ``Poller`` following a
 file:// bucket that a trainer thread keeps publishing to) is driven the way a worker is: the
 poller thread discovers, downloads and stages on its own while the main thread applies,
 commits, reverts and resets at random, and a third thread reads status all the time (as the
@@ -16,7 +16,6 @@ import random
 import threading
 import time
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -24,16 +23,10 @@ import torch
 
 from vllm_deltasync import DeltaPublisher
 from vllm_deltasync.config import SyncConfig
+from vllm_deltasync.server.messages import CommitOutcome
 from vllm_deltasync.server.worker.apply import checkpoint_digest, tensor_digest
-from vllm_deltasync.server.worker.rank import RankState
 
-from .conftest import TPWorld, live_checkpoint
-
-
-def _worker(model: torch.nn.Module, ckpt: Path) -> Any:
-    """The attributes of vLLM's worker that RankState reads (vLLM's object, not ours)."""
-    return SimpleNamespace(rank=0, model_runner=SimpleNamespace(model=model),
-                           vllm_config=SimpleNamespace(model_config=SimpleNamespace(model=str(ckpt))))
+from .conftest import TPWorld, live_checkpoint, target_rank
 
 
 def _train(state: dict[str, torch.Tensor], gen: torch.Generator) -> None:
@@ -56,7 +49,7 @@ def test_commands_from_two_threads_are_each_visible_in_the_next_status(
     ckpt, live, weights = live_checkpoint(tp_world, tmp_path, "llama_gqa", seed=11)
 
     url = f"file://{tmp_path}/bucket"
-    rank = RankState(_worker(live, ckpt), SyncConfig(url=url, poll_interval_s=0.01))
+    rank = target_rank(live, ckpt, SyncConfig(url=url, poll_interval_s=0.01))
     history: dict[int, dict[str, torch.Tensor]] = {}
     errors: list[BaseException] = []
     stop_reading = threading.Event()
@@ -77,7 +70,7 @@ def test_commands_from_two_threads_are_each_visible_in_the_next_status(
             try:
                 while not stop_reading.is_set():
                     s = rank.status()
-                    assert s["ready_steps"] == sorted(s["ready_steps"])
+                    assert list(s.ready_steps) == sorted(s.ready_steps)
                     rank.poller.ready_steps()
             except BaseException as exc:  # noqa: BLE001 - reported by the test
                 errors.append(exc)
@@ -94,51 +87,51 @@ def test_commands_from_two_threads_are_each_visible_in_the_next_status(
                 if not ready:
                     time.sleep(0.002)
                     continue
-                before = rank.status()["applied_step"]
+                before = rank.status().applied_step
                 step = rng.choice(ready)
-                rank.apply(step)
+                assert rank.switch.apply(step).ok
                 counts["apply"] += 1
                 s = rank.status()
-                assert s["applied_step"] == step and s["pending_switch"] == step, s
-                assert all(r > step for r in s["ready_steps"]), s
-                assert s["last_apply"]["step"] == step and s["last_error"] is None, s
+                assert s.applied_step == step and s.pending_switch == step, s
+                assert all(r > step for r in s.ready_steps), s
+                assert s.last_apply.step == step and s.last_error is None, s
                 choice = rng.random()
                 if choice < 0.6:
-                    assert rank.commit(step)
+                    assert rank.switch.commit(step).outcome is CommitOutcome.COMMITTED
                     counts["commit"] += 1
                     s = rank.status()
-                    assert s["pending_switch"] is None and s["applied_step"] == step, s
-                    assert not rank.commit(step), "a switch was committed twice"
+                    assert s.pending_switch is None and s.applied_step == step, s
+                    twice = rank.switch.commit(step)
+                    assert twice.outcome is CommitOutcome.NOT_PENDING, "committed twice"
                 elif choice < 0.85:
-                    ok = rank.revert(step, f"test revert of {step}")
+                    back = rank.switch.revert(step, f"test revert of {step}")
                     counts["revert"] += 1
                     s = rank.status()
-                    undoable = ok
-                    if undoable:  # back on the step before, waiting for a newer anchor
-                        assert s["applied_step"] == before, (s, before)
+                    if back.outcome.as_before:  # back on the step before, waiting for a newer anchor
+                        assert s.applied_step == before, (s, before)
                     else:  # an anchor was written: its undo is incomplete, resync
-                        assert s["applied_step"] is None, s
-                    assert s["pending_switch"] is None and s["ready_steps"] == [], s
-                    assert s["last_error"].startswith(f"test revert of {step}"), s
+                        assert s.applied_step is None, s
+                    assert s.pending_switch is None and s.ready_steps == (), s
+                    assert s.last_error.startswith(f"test revert of {step}"), s
                 else:
-                    rank.reset(f"test reset after {step}")
+                    rank.switch.reset(f"test reset after {step}")
                     counts["reset"] += 1
                     s = rank.status()
-                    assert s["applied_step"] is None and s["ready_steps"] == [], s
-                    assert s["pending_switch"] is None and s["last_error"] == f"test reset after {step}"
+                    assert s.applied_step is None and s.ready_steps == (), s
+                    assert s.pending_switch is None and s.last_error == f"test reset after {step}"
                 if before is not None and choice < 0.6:
-                    assert rank.status()["applied_step"] == step
+                    assert rank.status().applied_step == step
             trainer.join()
             assert all(counts.values()), counts
 
             # then only applies and commits: the last steps (from an anchor) must all land
             last = phase_one + 2
             publish(range(phase_one, last + 1))  # phase_one is a multiple of anchor_every
-            while rank.status()["applied_step"] != last:
+            while rank.status().applied_step != last:
                 _wait(lambda: bool(rank.sync.ready_steps()))
                 step = rank.sync.ready_steps()[-1]
-                rank.apply(step)
-                assert rank.commit(step)
+                assert rank.switch.apply(step).ok
+                assert rank.switch.commit(step).outcome is CommitOutcome.COMMITTED
         finally:
             stop_reading.set()
             reader.join(timeout=10)
@@ -146,8 +139,8 @@ def test_commands_from_two_threads_are_each_visible_in_the_next_status(
 
     assert not errors, errors
     status = rank.status()
-    assert status["last_error"] is None, status
-    assert [f for f in status["counters"]["failures"] if f[0] != "apply"] == [], status
+    assert status.last_error is None, status
+    assert [f for f in status.counters.failures if f[0] != "apply"] == [], status
     want = history[last]
     for name in rank.shardmap.names:
         if name in rank.shardmap.ignored or name in rank.shardmap.covered_by:
@@ -166,7 +159,7 @@ def test_a_closed_poller_stays_closed(tmp_path: Path) -> None:
     poller.close()
     threads = {t.name for t in threading.enumerate()}
     poller.state.reset("after close")  # signals room: must not restart the loop
-    assert poller.ready_steps() == [] and poller.status()["last_error"] == "after close"
+    assert poller.ready_steps() == [] and poller.status().last_error == "after close"
     assert {t.name for t in threading.enumerate()} <= threads
     assert not any(t.name == "deltasync-poller-rank0" for t in threading.enumerate())
 
@@ -177,16 +170,16 @@ def test_a_rank_closed_at_shutdown_stops_its_poller_and_reports_nothing(
     """The worker's shutdown closes the poller before vLLM tears the process down: the loop
     thread is gone and nothing is reported as a failure (it once logged "discover failed")."""
     ckpt, live, _ = live_checkpoint(tp_world, tmp_path, "llama_gqa", seed=11)
-    rank = RankState(_worker(live, ckpt), SyncConfig(url=f"file://{tmp_path}/bucket", poll_interval_s=0.01))
+    rank = target_rank(live, ckpt, SyncConfig(url=f"file://{tmp_path}/bucket", poll_interval_s=0.01))
     rank.follow()
-    _wait(lambda: rank.poller.status()["last_discovery_at"] is not None)
+    _wait(lambda: rank.poller.status().last_discovery_at is not None)
     with caplog.at_level(logging.DEBUG, logger="vllm_deltasync"):
         rank.close()
         rank.close()  # a second shutdown finds nothing to do
     assert not rank.following
     assert not any(t.name == "deltasync-poller-rank0" for t in threading.enumerate())
     assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
-    assert rank.poller.status()["last_error"] is None
+    assert rank.poller.status().last_error is None
 
 
 @pytest.mark.parametrize("decoder", ["auto", "numpy"])
@@ -206,7 +199,7 @@ def test_following_readies_the_configured_decoder(
     _train(state, torch.Generator().manual_seed(1))
     pub.publish(1, state)
     pub.close()
-    rank = RankState(_worker(live, ckpt), SyncConfig(url=url, poll_interval_s=0.01, decoder=decoder))
+    rank = target_rank(live, ckpt, SyncConfig(url=url, poll_interval_s=0.01, decoder=decoder))
     rank.follow()
     try:
         assert len(sparse_v3._KERNEL) == 1

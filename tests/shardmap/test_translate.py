@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from vllm_deltasync.format.codec import TensorPatch
+from vllm_deltasync.server.vllm.loaders import LOADER
 from vllm_deltasync.server.worker.apply import (
     apply_patches,
     checkpoint_digest,
@@ -79,7 +80,7 @@ def test_apply_matches_vllm_loader_on_every_rank(tp_world: TPWorld, kind: str, t
         live = tp_world.build(kind, tp, rank)
         live.load_weights(iter(base.items()))
         before = state_bits(live)
-        shardmap = ShardMap.from_model(live, params)
+        shardmap = ShardMap.from_model(live, params, loader=LOADER)
         for name, bits in state_bits(live).items():
             assert torch.equal(bits, before[name]), f"{where}: from_model changed {name}"
         addresses = {n: p.data_ptr() for n, p in live.named_parameters()}
@@ -101,7 +102,7 @@ def test_apply_matches_vllm_loader_on_every_rank(tp_world: TPWorld, kind: str, t
 def test_blocks_stay_compact(tp_world: TPWorld, tp: int) -> None:
     """A placement is one affine block per name and rank, whatever the tensor size."""
     params = tp_world.model("qwen2_bias").checkpoint_params()
-    shardmap = ShardMap.from_model(tp_world.build("qwen2_bias", tp, 1), params)
+    shardmap = ShardMap.from_model(tp_world.build("qwen2_bias", tp, 1), params, loader=LOADER)
     for name in params:
         targets = shardmap.targets(name)
         assert len(targets) == 1, name
@@ -118,7 +119,7 @@ def test_kv_heads_replicated_across_ranks(tp_world: TPWorld) -> None:
     name = "model.layers.1.self_attn.k_proj.weight"
     sources = []
     for rank in range(8):
-        shardmap = ShardMap.from_model(tp_world.build("qwen2_bias", 8, rank), params)
+        shardmap = ShardMap.from_model(tp_world.build("qwen2_bias", 8, rank), params, loader=LOADER)
         (target,) = shardmap.targets(name)
         sources.append((target.block.src_offset, target.block.numel))
     head = params[name][0][0] // 2 * params[name][0][1]
@@ -131,13 +132,13 @@ def test_probe_skips_padding_fill(tp_world: TPWorld) -> None:
     model = tp_world.build("qwen2_bias", 8, 6)  # rows 96..99 of 100: 12 padding rows
     embed = dict(model.named_parameters())["model.embed_tokens.weight"]
     embed.data.fill_(7.0)
-    ShardMap.from_model(model, params)
+    ShardMap.from_model(model, params, loader=LOADER)
     assert bool((embed == 7.0).all())
 
 
 def test_empty_vocab_shard_is_placed_with_no_blocks(tp_world: TPWorld) -> None:
     params = tp_world.model("qwen2_bias").checkpoint_params()
-    shardmap = ShardMap.from_model(tp_world.build("qwen2_bias", 8, 7), params)  # rows 112.. > 100
+    shardmap = ShardMap.from_model(tp_world.build("qwen2_bias", 8, 7), params, loader=LOADER)  # rows 112.. > 100
     assert shardmap.targets("model.embed_tokens.weight") == []
     patch = TensorPatch("model.embed_tokens.weight", (100, 64), torch.tensor([0, 6399]),
                         torch.ones(2, dtype=torch.bfloat16))

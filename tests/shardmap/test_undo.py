@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from vllm_deltasync.errors import ApplyError
+from vllm_deltasync.server.vllm.loaders import LOADER
 from vllm_deltasync.server.worker.apply import Undo, apply_patches, prepare
 from vllm_deltasync.server.worker.shardmap import Piece, ShardMap, translate_all
 
@@ -30,7 +31,7 @@ def test_two_steps_are_taken_back_bit_for_bit(tp_world: TPWorld, kind: str) -> N
     live = tp_world.build(kind, 2, 1)
     live.load_weights(iter(base.items()))
     before = state_bits(live)
-    shardmap = ShardMap.from_model(live, params)
+    shardmap = ShardMap.from_model(live, params, loader=LOADER)
     undo = Undo()
     full, written = base, 0
     for step in range(2):  # the same elements change in both steps: reverted newest first
@@ -50,7 +51,7 @@ def test_a_failure_half_way_puts_back_what_was_written(tp_world: TPWorld) -> Non
     live.load_weights(iter(random_checkpoint(params, seed=4).items()))
     before = state_bits(live)
     patches, _ = make_step(dict(random_checkpoint(params, seed=4)), 1)
-    pieces = prepare(translate_all(ShardMap.from_model(live, params), _undoable(patches)))
+    pieces = prepare(translate_all(ShardMap.from_model(live, params, loader=LOADER), _undoable(patches)))
     assert len(pieces) > 3
     broken = pieces[2]
     bad = Piece(broken.param, torch.tensor([broken.param.numel() + 5]), broken.values[:1],

@@ -6,7 +6,7 @@ write made outside deltasync only because the calls are watched: the runner's
 ``load_checkpoint_weight_patches`` goes through). The write is settled (counted, the map rebuilt)
 at the next status call, outside the writer's call: vLLM's sparse patch loader still has
 ``torch.Tensor.copy_`` replaced inside it, where a rebuilt map would learn the wrong loader. A
-real ``RankState`` on vLLM's own Llama module; the worker and runner objects are stand-ins for
+real ``TargetRank`` on vLLM's own Llama module; the worker and runner objects are stand-ins for
 vLLM's (their attributes only).
 """
 
@@ -19,12 +19,12 @@ from typing import Any
 import torch
 
 from vllm_deltasync.config import SyncConfig
-from vllm_deltasync.server.worker.rank import RankState
+from vllm_deltasync.server.worker.target import TargetRank
 
-from .conftest import TPWorld, live_checkpoint
+from .conftest import TPWorld, live_checkpoint, target_rank
 
 
-def _rank(tp_world: TPWorld, tmp_path: Path) -> tuple[RankState, Any, dict[str, torch.Tensor]]:
+def _rank(tp_world: TPWorld, tmp_path: Path) -> tuple[TargetRank, Any, dict[str, torch.Tensor]]:
     ckpt, live, weights = live_checkpoint(tp_world, tmp_path, "llama_gqa", seed=21)
 
     def reload_weights(weights_iterator: Any) -> None:  # as vLLM's runner: load_weights inside
@@ -33,7 +33,7 @@ def _rank(tp_world: TPWorld, tmp_path: Path) -> tuple[RankState, Any, dict[str, 
     worker = SimpleNamespace(
         rank=0, model_runner=SimpleNamespace(model=live, reload_weights=reload_weights),
         vllm_config=SimpleNamespace(model_config=SimpleNamespace(model=str(ckpt))))
-    state = RankState(worker, SyncConfig(url=f"file://{tmp_path}/bucket"))
+    state = target_rank(live, ckpt, SyncConfig(url=f"file://{tmp_path}/bucket"))
     return state, worker, weights
 
 
@@ -63,7 +63,7 @@ def test_load_weights_and_reload_behind_our_back_each_count_once(
         assert state.written_behind and state.reloads == 0
         state.settle_writes()
         assert state.reloads == 1 and state.refused is None  # the rebuilt map places everything
-        assert state.status()["reloads"] == 1
+        assert state.status().reloads == 1
         # a reload runs load_weights inside: one count, not two
         worker.model_runner.reload_weights(iter(weights.items()))
         state.settle_writes()

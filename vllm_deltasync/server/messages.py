@@ -23,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from typing import Any, TypeVar
 
 from vllm_deltasync.errors import DeltaSyncError
@@ -33,7 +33,7 @@ class MessageError(DeltaSyncError):
     """A message between the ranks and the engine core is not what this release writes."""
 
 
-class Outcome(str, enum.Enum):
+class Outcome(enum.StrEnum):
     """What a rank's weights of one target are after a switch RPC."""
 
     APPLIED = "applied"
@@ -52,7 +52,7 @@ class Outcome(str, enum.Enum):
         return self in (Outcome.NOTHING_WRITTEN, Outcome.PUT_BACK)
 
 
-class CommitOutcome(str, enum.Enum):
+class CommitOutcome(enum.StrEnum):
     COMMITTED = "committed"
     """The switch was pending here; its undo is dropped."""
     NOT_PENDING = "not_pending"
@@ -222,9 +222,9 @@ class RankStatus:
     other followed target's under its name (``{"rank": 0, ..., "drafter": {...}}``)."""
 
     targets: Mapping[str, TargetStatus]
-    """By target name, the policy's always present."""
-    primary: str = "policy"
-    """The target whose status is the top level of the wire dict."""
+    """By target name, the primary's always present."""
+    primary: str
+    """The target whose status is the top level of the wire dict (the policy)."""
 
     @property
     def rank(self) -> int:
@@ -373,8 +373,8 @@ class EngineStatus:
     failing: bool
     reloads: int
     metrics_port: int | None
-    targets: Mapping[str, TargetReport] = field(default_factory=dict)
-    primary: str = "policy"
+    targets: Mapping[str, TargetReport]
+    primary: str
 
     def to_wire(self, names: Sequence[str] = ()) -> dict[str, Any]:
         primary = self.targets.get(self.primary, TargetReport())

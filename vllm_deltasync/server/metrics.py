@@ -10,30 +10,19 @@ imports vLLM.
 
 Glue for the extension (all of it)
 ----------------------------------
-Worker side (in each rank, e.g. in the poller's state object)::
+Worker side (each followed target on each rank: ``server/worker/target.py``)::
 
     stats = metrics.WorkerStats()
     stats.add_download("delta", nbytes, seconds)   # per downloaded step ("anchor" or "delta")
     stats.add_apply("delta", seconds, changed)     # per applied step; changed = elements written
     stats.add_failure("download", exc)             # stage: discover|download|verify|decode|stage|apply
-
-    def deltasync_status(self) -> dict:            # the rpc; any missing key means "unknown"
-        return {
-            "rank": self.rank,
-            "applied_step": ..., "staged_step": ..., "newest_step": ...,   # int or None
-            "applied_published_at": ..., "newest_published_at": ...,       # manifest created_at
-            "last_discovery_at": ...,   # unix time of the last successful look at the bucket
-            "staged_bytes": ...,        # bytes currently held in host staging buffers
-            "last_error": ...,          # str ("ChainError: ...") or None once recovered
-            "branch_lost": ...,         # str while the applied step left the bucket's chain
-            "counters": stats.snapshot(store.stats),
-        }
+    TargetStatus(..., counters=stats.snapshot(store.stats))   # server/messages.py
 
 Engine-core side (the coordinator)::
 
     sync_metrics = metrics.SyncMetrics(bucket_url=cfg.url, format_version=SCHEMA_VERSION)
     server = sync_metrics.start_server(cfg.metrics_port)  # None when the port is 0 (off)
-    every tick:     sync_metrics.update(engine_core.collective_rpc("deltasync_status"))
+    every tick:     sync_metrics.update(parse_statuses(engine.collective_rpc("deltasync_status")))
     at each switch: sync_metrics.observe_switch(step, pause_s)
     at shutdown:    server.close() if server else None
 
@@ -62,21 +51,22 @@ from __future__ import annotations
 
 import collections
 import itertools
-import json
 import math
 import os
 import threading
 import time
-import urllib.parse
 from collections.abc import Mapping, Sequence
-from socketserver import ThreadingMixIn
-from typing import Any
-from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+from typing import TYPE_CHECKING, Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from vllm_deltasync._urls import redact_text, redact_url
 from vllm_deltasync.errors import ConfigError
+from vllm_deltasync.server.messages import Counters, RankStatus, TargetStatus
+from vllm_deltasync.server.targets import TARGETS, names
+
+if TYPE_CHECKING:
+    from vllm_deltasync.server.endpoint import MetricsServer
 
 PREFIX = "deltasync"
 STAGES = ("discover", "download", "verify", "decode", "stage", "apply")
@@ -90,9 +80,9 @@ _APPLY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.
 _MAX_EVENTS = 1024
 
 
-MODELS = ("policy", "drafter")
-"""Label ``model`` of every per-rank series: the served policy, or the speculative drafter that
-follows its own bucket (``drafter_url``)."""
+MODELS = names()
+"""Label ``model`` of every per-rank series: the followed target's name (``server/targets.py``):
+the served policy, or the speculative drafter that follows its own bucket (``drafter_url``)."""
 _R = ("model", "rank")
 #: (attribute, name without prefix, help, labels) of every gauge.
 _GAUGES: tuple[tuple[str, str, str, tuple[str, ...]], ...] = (
@@ -228,22 +218,18 @@ class WorkerStats:
         with self._lock:
             self._failures[key] = self._failures.get(key, 0) + 1
 
-    def snapshot(self, store_stats: Any = None) -> dict[str, Any]:
-        """Plain lists and dicts only (safe for any rpc serializer)."""
-        with self._lock:
-            snap: dict[str, Any] = {
-                "epoch": self._epoch,
-                "downloaded_bytes": dict(self._bytes),
-                "applied_steps": dict(self._applied),
-                "changed_elements": self._changed,
-                "branch_changes": self._branch_changes,
-                "failures": [[s, r, n] for (s, r), n in sorted(self._failures.items())],
-                "events": [list(e) for e in self._events],
-            }
+    def snapshot(self, store_stats: Any = None) -> Counters:
+        """The totals so far (``store_stats``: the bucket store's request counters)."""
         requests = getattr(store_stats, "requests", None) or {}
-        snap["store_requests"] = [[op, out, n] for (op, out), n in sorted(requests.items())]
-        snap["store_bytes_read"] = int(getattr(store_stats, "bytes_read", 0) or 0)
-        return snap
+        with self._lock:
+            return Counters(
+                epoch=self._epoch, downloaded_bytes=dict(self._bytes),
+                applied_steps=dict(self._applied), changed_elements=self._changed,
+                branch_changes=self._branch_changes,
+                failures=tuple((s, r, n) for (s, r), n in sorted(self._failures.items())),
+                events=tuple(self._events),
+                store_requests=tuple((op, out, n) for (op, out), n in sorted(requests.items())),
+                store_bytes_read=int(getattr(store_stats, "bytes_read", 0) or 0))
 
 
 def _check_kind(kind: str) -> None:
@@ -309,7 +295,7 @@ class SyncMetrics:
         self._lock = threading.Lock()
         self._cursors: dict[tuple[str, str], _RankCursor] = {}
         self._errors: dict[tuple[str, str], str] = {}
-        self.latest: list[Mapping[str, Any]] = []
+        self.latest: list[RankStatus] = []
         self._coordinator: dict[str, Any] = {"failing": False, "last_error": None}
         self._build(self.registry)
         self.coordinator_failing.set(0)
@@ -329,22 +315,14 @@ class SyncMetrics:
             setattr(self, attr, Histogram(f"{PREFIX}_{name}", doc, labels, registry=r,
                                           buckets=buckets))
 
-    def update(self, statuses: Sequence[Mapping[str, Any]], *, now: float | None = None) -> None:
-        """Take one status dict per rank (``collective_rpc`` order; ``"rank"`` wins if present)."""
+    def update(self, ranks: Sequence[RankStatus], *, now: float | None = None) -> None:
+        """Take every rank's status (each followed target's series under its ``model``)."""
         now = time.time() if now is None else now
         with self._lock:
-            for index, status in enumerate(statuses):
-                if not isinstance(status, Mapping):
-                    raise ConfigError(
-                        f"deltasync_status of rank {index} returned {type(status).__name__}, "
-                        "expected a dict: see the glue section of vllm_deltasync/metrics.py"
-                    )
-                rank = str(status.get("rank", index))
-                self._update_model("policy", rank, status, now)
-                drafter = status.get("drafter")
-                if isinstance(drafter, Mapping):
-                    self._update_model("drafter", rank, drafter, now)
-            self.latest = [dict(s) for s in statuses]
+            for r in ranks:
+                for name, status in r.targets.items():
+                    self._update_model(name, str(status.rank), status, now)
+            self.latest = list(ranks)
             self.status_ts.set(now)
 
     def observe_switch(self, step: int, pause_s: float, *, now: float | None = None) -> None:
@@ -375,59 +353,50 @@ class SyncMetrics:
             self._coordinator["failing"] = failing
             self.coordinator_failing.set(1 if failing else 0)
 
-    def _update_model(self, model: str, rank: str, s: Mapping[str, Any], now: float) -> None:
+    def _update_model(self, model: str, rank: str, s: TargetStatus, now: float) -> None:
         self._update_gauges((model, rank), s, now)
-        counters = s.get("counters")
-        if isinstance(counters, Mapping):
-            self._update_counters((model, rank), counters)
+        if s.counters is not None:
+            self._update_counters((model, rank), s.counters)
 
-    def _update_gauges(self, who: tuple[str, str], s: Mapping[str, Any], now: float) -> None:
-        applied, newest = _int_or_none(s.get("applied_step")), _int_or_none(s.get("newest_step"))
-        staged = _int_or_none(s.get("staged_step"))
+    def _update_gauges(self, who: tuple[str, str], s: TargetStatus, now: float) -> None:
+        applied, newest, staged = s.applied_step, s.newest_step, s.staged_step
         self.applied_step.labels(*who).set(-1 if applied is None else applied)
         self.staged_step.labels(*who).set(-1 if staged is None else staged)
         self.newest_step.labels(*who).set(-1 if newest is None else newest)
-        behind = 0 if newest is None else newest - (-1 if applied is None else applied)
-        self.steps_behind.labels(*who).set(max(behind, 0))
-        for key, gauge in (
-            ("applied_published_at", self.applied_publish_ts),
-            ("newest_published_at", self.newest_publish_ts),
-            ("last_discovery_at", self.last_discovery_ts),
-            ("staged_bytes", self.staged_bytes),
+        self.steps_behind.labels(*who).set(_behind(s))
+        for value, gauge in (
+            (s.applied_published_at, self.applied_publish_ts),
+            (s.newest_published_at, self.newest_publish_ts),
+            (s.last_discovery_at, self.last_discovery_ts),
+            (s.staged_bytes, self.staged_bytes),
         ):
-            value = _float_or_none(s.get(key))
-            if value is not None:
-                gauge.labels(*who).set(value)
-        self.branch_lost.labels(*who).set(1 if s.get("branch_lost") else 0)
-        error = str(s.get("last_error") or s.get("refused") or "")
+            if value is not None and not math.isnan(float(value)):
+                gauge.labels(*who).set(float(value))
+        self.branch_lost.labels(*who).set(1 if s.branch_lost else 0)
+        error = str(s.last_error or s.refused or "")
         self.failing.labels(*who).set(1 if error else 0)
         if error and self._errors.get(who) != error:
             self.last_failure_ts.labels(*who, error_reason(error)).set(now)
         self._errors[who] = error
 
-    def _update_counters(self, who: tuple[str, str], c: Mapping[str, Any]) -> None:
-        epoch = str(c.get("epoch", ""))
+    def _update_counters(self, who: tuple[str, str], c: Counters) -> None:
         cursor = self._cursors.get(who)
-        if cursor is None or cursor.epoch != epoch:
-            cursor = self._cursors[who] = _RankCursor(epoch)
-        for kind, total in dict(c.get("downloaded_bytes") or {}).items():
+        if cursor is None or cursor.epoch != c.epoch:
+            cursor = self._cursors[who] = _RankCursor(c.epoch)
+        for kind, total in c.downloaded_bytes.items():
             _inc(self.downloaded_bytes.labels(*who, kind), cursor.advance(("b", kind), total))
-        for kind, total in dict(c.get("applied_steps") or {}).items():
+        for kind, total in c.applied_steps.items():
             _inc(self.applied_steps.labels(*who, kind), cursor.advance(("a", kind), total))
-        changed = c.get("changed_elements")
-        if changed is not None:
-            _inc(self.changed_elements.labels(*who), cursor.advance(("c",), changed))
-        branches = c.get("branch_changes")
-        if branches is not None:
-            _inc(self.branch_changes.labels(*who), cursor.advance(("g",), branches))
-        for stage, reason, total in c.get("failures") or ():
+        _inc(self.changed_elements.labels(*who), cursor.advance(("c",), c.changed_elements))
+        _inc(self.branch_changes.labels(*who), cursor.advance(("g",), c.branch_changes))
+        for stage, reason, total in c.failures:
             _inc(self.failures.labels(*who, stage, reason), cursor.advance(("f", stage, reason), total))
-        for op, outcome, total in c.get("store_requests") or ():
+        for op, outcome, total in c.store_requests:
             for known in _OUTCOMES:  # zero series, so rate(...{outcome="rate_limited"}) has data
                 self.store_requests.labels(*who, op, known)
             key = ("r", op, outcome)
             _inc(self.store_requests.labels(*who, op, outcome), cursor.advance(key, total))
-        for seq, kind, seconds in c.get("events") or ():
+        for seq, kind, seconds in c.events:
             if seq <= cursor.last_event:
                 continue
             cursor.last_event = seq
@@ -435,51 +404,50 @@ class SyncMetrics:
             hist.labels(*who).observe(seconds)
 
     def synced(self, max_steps_behind: int = 0) -> tuple[bool, dict[str, Any]]:
-        """Readiness: every rank is at most ``max_steps_behind`` steps behind the newest step it
-        saw, and has applied one (unless the bucket is empty)."""
+        """Readiness: every rank is at most ``max_steps_behind`` steps behind the newest step of
+        the primary target it saw, and has applied one (unless the bucket is empty). Every
+        other followed target is shown under its name with ``<name>_synced``, never a reason
+        for 503 (a stale or broken draft changes how fast tokens come, not which)."""
         with self._lock:
             ranks = list(self.latest)
             coordinator = dict(self._coordinator)
-        rows = []
-        for index, s in enumerate(ranks):
-            applied, newest = _int_or_none(s.get("applied_step")), _int_or_none(s.get("newest_step"))
-            behind = 0 if newest is None else newest - (-1 if applied is None else applied)
-            rows.append({"rank": s.get("rank", index), "applied_step": applied,
-                         "newest_step": newest, "steps_behind": max(behind, 0),
-                         "branch_lost": _redacted(s.get("branch_lost")),
-                         "last_error": _redacted(s.get("last_error"))})
+        primary = TARGETS[0].name
+        rows = [_row(r.targets[primary]) for r in ranks if primary in r.targets]
         ok = bool(rows) and not coordinator["failing"] and all(
-            # an empty bucket leaves the loaded weights current
-            (r["applied_step"] is not None or r["newest_step"] is None)
-            and not r["branch_lost"]
-            and r["steps_behind"] <= max_steps_behind
-            for r in rows
-        )
+            _current(r, max_steps_behind) and not r["branch_lost"] for r in rows)
         body: dict[str, Any] = {"synced": ok, "max_steps_behind": max_steps_behind,
                                 "ranks": rows, "coordinator": coordinator}
-        drafters = [(s.get("rank", i), s["drafter"]) for i, s in enumerate(ranks)
-                    if isinstance(s.get("drafter"), Mapping)]
-        if drafters:
-            # the speculative drafter is shown, never a reason for 503: a stale or broken draft
-            # changes how fast tokens come, not which (rejection sampling)
-            body["drafter"] = [_drafter_row(rank, d) for rank, d in drafters]
-            body["drafter_synced"] = all(
-                r["refused"] is None and r["last_error"] is None
-                and (r["applied_step"] is not None or r["newest_step"] is None)
-                and r["steps_behind"] <= max_steps_behind for r in body["drafter"])
+        for target in TARGETS[1:]:
+            others = [_row(s) for r in ranks if (s := r.of(target.name)) is not None]
+            if others:
+                body[target.name] = others
+                body[f"{target.name}_synced"] = all(
+                    r["refused"] is None and r["last_error"] is None
+                    and _current(r, max_steps_behind) for r in others)
         return ok, body
 
     def start_server(self, port: int, addr: str = "0.0.0.0") -> MetricsServer | None:
         """Serve ``/metrics`` and ``/synced`` on ``port``; ``0`` means off and returns None."""
+        from vllm_deltasync.server.endpoint import MetricsServer
+
         return None if port == 0 else MetricsServer(self, port=port, addr=addr)
 
 
-def _drafter_row(rank: Any, d: Mapping[str, Any]) -> dict[str, Any]:
-    applied, newest = _int_or_none(d.get("applied_step")), _int_or_none(d.get("newest_step"))
-    behind = 0 if newest is None else newest - (-1 if applied is None else applied)
-    return {"rank": rank, "applied_step": applied, "newest_step": newest,
-            "steps_behind": max(behind, 0), "refused": _redacted(d.get("refused")),
-            "last_error": _redacted(d.get("last_error"))}
+def _behind(s: TargetStatus) -> int:
+    newest, applied = s.newest_step, s.applied_step
+    return 0 if newest is None else max(newest - (-1 if applied is None else applied), 0)
+
+
+def _row(s: TargetStatus) -> dict[str, Any]:
+    return {"rank": s.rank, "applied_step": s.applied_step, "newest_step": s.newest_step,
+            "steps_behind": _behind(s), "branch_lost": _redacted(s.branch_lost),
+            "refused": _redacted(s.refused), "last_error": _redacted(s.last_error)}
+
+
+def _current(row: Mapping[str, Any], max_steps_behind: int) -> bool:
+    """Applied a step (an empty bucket leaves the loaded weights current) and not too far behind."""
+    return ((row["applied_step"] is not None or row["newest_step"] is None)
+            and row["steps_behind"] <= max_steps_behind)
 
 
 def _inc(child: Any, amount: float) -> None:
@@ -487,67 +455,5 @@ def _inc(child: Any, amount: float) -> None:
         child.inc(amount)
 
 
-def _int_or_none(value: Any) -> int | None:
-    return None if value is None else int(value)
-
-
-def _float_or_none(value: Any) -> float | None:
-    if value is None:
-        return None
-    value = float(value)
-    return None if math.isnan(value) else value
-
-
-class _QuietHandler(WSGIRequestHandler):
-    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - stdlib signature
-        """No access log: a scrape every few seconds would flood the server's log."""
-
-
-class _ThreadingServer(ThreadingMixIn, WSGIServer):
-    daemon_threads = True
-
-
-class MetricsServer:
-    """``GET /metrics`` (Prometheus text) and ``GET /synced`` (readiness JSON) on a daemon thread.
-
-    ``port=0`` binds a free port (see :attr:`port`); callers map the config's 0 = off themselves
-    (:meth:`SyncMetrics.start_server` does).
-    """
-
-    def __init__(self, metrics: SyncMetrics, *, port: int, addr: str = "0.0.0.0") -> None:
-        if not 0 <= port < 65536:
-            raise ConfigError(f"metrics port {port} is out of range: use 1-65535, or 0 for off")
-        self.metrics = metrics
-        self._prom = make_wsgi_app(metrics.registry)
-        try:
-            self._server = make_server(addr, port, self._app, _ThreadingServer, _QuietHandler)
-        except OSError as exc:
-            raise ConfigError(
-                f"cannot serve metrics on {addr}:{port} ({exc}): choose another metrics_port"
-            ) from exc
-        self.port: int = self._server.server_port
-        self._thread = threading.Thread(
-            target=self._server.serve_forever, name="deltasync-metrics", daemon=True
-        )
-        self._thread.start()
-
-    def _app(self, environ: dict[str, Any], start_response: Any) -> Any:
-        path = environ.get("PATH_INFO", "/")
-        if path != "/synced":
-            return self._prom(environ, start_response)
-        query = urllib.parse.parse_qs(environ.get("QUERY_STRING", ""))
-        try:
-            limit = int(query.get("max_steps_behind", ["0"])[0])
-        except ValueError:
-            start_response("400 Bad Request", [("Content-Type", "text/plain")])
-            return [b"max_steps_behind must be an integer\n"]
-        ok, body = self.metrics.synced(limit)
-        status = "200 OK" if ok else "503 Service Unavailable"
-        start_response(status, [("Content-Type", "application/json")])
-        return [json.dumps(body).encode()]
-
-    def close(self) -> None:
-        """Stop serving and release the port."""
-        self._server.shutdown()
-        self._server.server_close()
-        self._thread.join(timeout=5)
+__all__ = ["CONFLICT_REASONS", "KINDS", "MODELS", "PREFIX", "STAGES", "SyncMetrics", "WorkerStats",
+           "error_reason"]

@@ -3,7 +3,7 @@
 A *target* is one set of weights the server follows from a bucket: the policy, the speculative
 drafter, and next LoRA adapters or FP8 weights. Everything that differs between them is a row
 of :data:`TARGETS`; the machinery that follows them is one and the same (the rank's
-``TargetRank`` in ``server/worker/rank.py``, the engine core's ``TargetFollower`` and ``Switch``
+``TargetRank`` in ``server/worker/target.py``, the engine core's ``TargetFollower`` and ``Switch``
 in ``server/engine/``) and never asks which target it has. A row says:
 
 - where its steps come from (:meth:`Target.source`: a bucket URL, and which tensor names of it

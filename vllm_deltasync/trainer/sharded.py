@@ -26,7 +26,6 @@ import contextlib
 import datetime
 import hashlib
 import math
-import os
 import re
 import secrets
 import time
@@ -37,8 +36,8 @@ from typing import Any
 
 import torch
 
-from vllm_deltasync.errors import FormatError, PublishError
 from vllm_deltasync import failpoints
+from vllm_deltasync.errors import FormatError, PublishError
 from vllm_deltasync.format.layout import DATA_DIR, STEP_DIGITS
 from vllm_deltasync.format.manifest import (
     Chunk,
@@ -49,8 +48,6 @@ from vllm_deltasync.format.manifest import (
     Totals,
 )
 from vllm_deltasync.stores import Store
-
-
 
 PART_NAME = "part.json"
 ABORT_NAME = "abort.json"

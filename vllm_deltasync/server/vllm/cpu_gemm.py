@@ -12,6 +12,7 @@ its parameter through ``torch.nn.functional.linear``, as on GPUs (docs/extension
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import Any
 
@@ -83,7 +84,7 @@ def install_packed(original: Any, layer: torch.nn.Module) -> None:
     weight, and a ``_deltasync_repack(weight=None, bias=None)`` that builds a new one from the
     current weights, or from given copies (``server/worker/packed.py`` swaps it in after a
     switch wrote the layer, or builds it ahead from the staged step)."""
-    from vllm_deltasync.server.worker.packed import REPACK_ATTR
+    from vllm_deltasync.server.worker.packed import INSTALL_ATTR, REPACK_ATTR
 
     def repack(weight: torch.Tensor | None = None, bias: torch.Tensor | None = None) -> Any:
         source = _PackSource(layer, weight, bias)
@@ -108,6 +109,13 @@ def install_packed(original: Any, layer: torch.nn.Module) -> None:
         # given): the layer computes from its parameter, as in "inplace"; nothing to refresh
         return
     setattr(layer, REPACK_ATTR, repack)
+    setattr(layer, INSTALL_ATTR, functools.partial(_install, layer))
+
+
+def _install(layer: torch.nn.Module, kernel: Any) -> None:
+    """The layer computes with ``kernel`` from now on (vLLM's CPU Linear calls
+    ``layer.cpu_linear``)."""
+    layer.cpu_linear = kernel  # type: ignore[assignment]
 
 
 def reads_its_weight(kernel: Any, weight: Any) -> bool:

@@ -35,16 +35,13 @@ refused at start (:func:`weight_transfer_conflict`).
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import importlib
 import logging
 import os
-from collections.abc import Mapping
 from typing import Any
 
-from vllm_deltasync.config import ADDITIONAL_CONFIG_KEY, ENV_PREFIX, SyncConfig, is_configured
-from vllm_deltasync.errors import DeltaSyncError
-from vllm_deltasync.failpoints import ENGINE_HOOK_ENV
+from vllm_deltasync.server import surface_check
+from vllm_deltasync.server.engine import trainer
+from vllm_deltasync.server.engine.admission import EngineFacts, coordinator_config
 from vllm_deltasync.server.engine.coordinator import Coordinator
 from vllm_deltasync.server.vllm import surface
 
@@ -99,7 +96,7 @@ def on_engine_core(engine: Any) -> None:
         _hook_busy_loop(engine)
     else:
         _hook_in_process(engine)
-    if refused is None and weight_transfer_backend(engine.vllm_config) == BACKEND:
+    if refused is None and facts_of(engine.vllm_config).weight_transfer_backend == trainer.BACKEND:
         _hook_weight_transfer(engine)
 
 
@@ -119,7 +116,6 @@ def _count_conflict(engine: Any, reason: str) -> None:
 def _ensure_coordinator(engine: Any, *, in_process: bool) -> Any:
     if getattr(engine, "_deltasync_coord", None) is None:
         engine._deltasync_coord = start_coordinator(engine, in_process=in_process)
-        _test_hook(engine, engine._deltasync_coord)
     return engine._deltasync_coord
 
 
@@ -196,14 +192,6 @@ def _hook_shutdown(engine: Any) -> None:
     engine.shutdown = hooked_shutdown
 
 
-def _test_hook(engine: Any, coord: Any) -> None:
-    spec = os.environ.get(ENGINE_HOOK_ENV)
-    if not spec or coord is None:
-        return
-    module, _, name = spec.partition(":")
-    getattr(importlib.import_module(module), name)(engine, coord)
-
-
 def may_write_weights(request: Any) -> bool:
     """A client's utility call that may have written the weights: any ``collective_rpc`` but
     ours (``reload_weights`` or a user's own worker method) and any utility with "weight" in
@@ -218,44 +206,21 @@ def may_write_weights(request: Any) -> bool:
     return "weight" in str(method_name) and "get_weight" not in str(method_name)
 
 
-def unsupported_layout(vllm_config: Any) -> str | None:
-    """Why this engine layout cannot follow a bucket safely, or None.
-
-    A MoE model with data parallel size > 1 runs one engine core per DP rank, and vLLM shards
-    its experts (and their all-to-all / all-reduce) across DP x TP: every forward of one engine
-    computes with the other engines' experts. The engines switch independently (each between
-    its own batches), so a forward could mix expert weights of two steps. Refused until a
-    cross-engine barrier exists. Dense models at DP > 1 are independent engines and follow.
-
-    The same holds for ``distributed_executor_backend="external_launcher"`` (torchrun, one
-    in-process engine core per rank, each reaching only its own worker) with tensor or
-    pipeline parallel size > 1: the ranks of one model would switch independently."""
-    parallel = getattr(vllm_config, "parallel_config", None)
-    model = getattr(vllm_config, "model_config", None)
-    dp = int(getattr(parallel, "data_parallel_size", 1) or 1)
-    if dp > 1 and bool(getattr(model, "is_moe", False)):
-        return (f"a MoE model with data parallel size {dp} (--data-parallel-size) is not "
-                "supported: vLLM shards its experts across the engines of all DP ranks, which "
-                "would switch independently and run forwards mixing expert weights of two "
-                "steps. Serve it with --data-parallel-size 1 (tensor parallel instead), or as "
-                "separate servers")
-    world = (int(getattr(parallel, "tensor_parallel_size", 1) or 1)
-             * int(getattr(parallel, "pipeline_parallel_size", 1) or 1))
-    if getattr(parallel, "distributed_executor_backend", None) == "external_launcher" and world > 1:
-        return (f"distributed_executor_backend='external_launcher' with {world} ranks per model "
-                "is not supported: each rank's engine core reaches only its own worker, so the "
-                "ranks would switch independently and mix two steps in one forward. Use vLLM's "
-                "own executor (mp, the default) for tensor/pipeline parallel")
-    return None
-
-
-def engine_config(config: SyncConfig, vllm_config: Any) -> SyncConfig:
-    """The settings of this engine core: under data parallel every engine core serves its own
-    metrics endpoint, on ``metrics_port + data-parallel rank`` (rank 0 on ``metrics_port``)."""
-    index = int(getattr(vllm_config.parallel_config, "data_parallel_index", 0) or 0)
-    if not config.metrics_port or not index:
-        return config
-    return dataclasses.replace(config, metrics_port=config.metrics_port + index)
+def facts_of(vllm_config: Any) -> EngineFacts:
+    """What the start decisions (``server/engine/admission.py``) need from vLLM's config."""
+    parallel = vllm_config.parallel_config
+    transfer = getattr(vllm_config, "weight_transfer_config", None)
+    backend = getattr(transfer, "backend", None) if transfer is not None else None
+    return EngineFacts(
+        data_parallel_size=int(getattr(parallel, "data_parallel_size", 1) or 1),
+        data_parallel_index=int(getattr(parallel, "data_parallel_index", 0) or 0),
+        is_moe=bool(vllm_config.model_config.is_moe),
+        executor_backend=getattr(parallel, "distributed_executor_backend", None),
+        ranks_per_model=(int(getattr(parallel, "tensor_parallel_size", 1) or 1)
+                         * int(getattr(parallel, "pipeline_parallel_size", 1) or 1)),
+        weight_transfer_backend=str(backend) if backend else None,
+        additional_config=vllm_config.additional_config or {},
+    )
 
 
 def start_coordinator(engine: Any, *, in_process: bool = False) -> Any:
@@ -267,168 +232,63 @@ def start_coordinator(engine: Any, *, in_process: bool = False) -> Any:
     from vllm.v1.core.sched.interface import PauseState
     from vllm.v1.engine import EngineCoreRequestType
 
-    refuse = (surface_refusal() or unsupported_layout(engine.vllm_config)
-              or weight_transfer_conflict(engine.vllm_config))
-    additional = engine.vllm_config.additional_config
-    try:
-        config = SyncConfig.from_sources(additional, os.environ)
-    except DeltaSyncError as exc:
-        if not is_configured(additional, os.environ):
-            logger.warning("deltasync: %s; the engine serves its checkpoint only", exc)
-            return None
-        # A bad setting (a misspelt VLLM_DELTASYNC_* variable, a value out of range) must not
-        # kill the engine core after its start was reported (the caller would wait forever):
-        # the engine serves its checkpoint and /synced says why.
-        refuse = f"invalid deltasync configuration: {type(exc).__name__}: {exc}"
-        config = refusal_config(additional, os.environ)
-    if refuse is not None and not refuse.startswith("invalid deltasync"):
-        logger.error("deltasync refuses to follow: %s", refuse)
-    config = engine_config(config, engine.vllm_config)
+    facts = facts_of(engine.vllm_config)
+    found = coordinator_config(facts, os.environ, surface_refusal())
+    if found is None:
+        return None
+    config, refuse = found
 
     def wake() -> None:
         engine.input_queue.put_nowait((EngineCoreRequestType.WAKEUP, TICK))
 
     coord = Coordinator(EngineHandle(engine), config, wake=None if in_process else wake,
                         pause_states=PauseState,
-                        trainer_driven=weight_transfer_backend(engine.vllm_config) == BACKEND)
+                        trainer_driven=facts.weight_transfer_backend == trainer.BACKEND)
     coord.start(refuse=refuse)
     return coord
 
 
-def refusal_config(additional_config: Any, environ: Mapping[str, str]) -> SyncConfig:
-    """The settings of a coordinator that only refuses, the configuration being invalid: the
-    metrics endpoint on the port the user asked for where that much parses (else the default),
-    so that ``/synced`` answers 503 with the reason."""
-    section = (additional_config.get(ADDITIONAL_CONFIG_KEY)
-               if isinstance(additional_config, Mapping) else None)
-    section = section if isinstance(section, Mapping) else {}
-    port = SyncConfig.metrics_port
-    for raw in (environ.get(ENV_PREFIX + "METRICS_PORT"), section.get("metrics_port")):
-        with contextlib.suppress(TypeError, ValueError):
-            if raw is not None and raw != "" and 0 <= int(raw) <= 65535:
-                port = int(raw)
-                break
-    for url in (environ.get(ENV_PREFIX + "URL"), section.get("url")):
-        with contextlib.suppress(DeltaSyncError, TypeError):
-            if url:
-                return SyncConfig(url=str(url), metrics_port=port)
-    return SyncConfig(url="file:///invalid-deltasync-configuration", metrics_port=port)
-
-
-
-
-# -------------------------------------------- vLLM's weight-transfer API, backend "deltasync"
-
-BACKEND = "deltasync"
-"""The weight-transfer backend name (``--weight-transfer-config '{"backend": "deltasync"}'``);
-the receiver is :mod:`.weight_transfer`, registered by :mod:`.plugin`."""
-
-
-def weight_transfer_backend(vllm_config: Any) -> str | None:
-    """The backend of ``--weight-transfer-config``, None when there is none."""
-    transfer = getattr(vllm_config, "weight_transfer_config", None)
-    backend = getattr(transfer, "backend", None) if transfer is not None else None
-    return str(backend) if backend else None
-
-
-def weight_transfer_conflict(vllm_config: Any) -> str | None:
-    """Why a deltasync bucket cannot be followed together with this engine's weight-transfer
-    backend (one line), or None. Backend ``deltasync`` is the trainer-driven flow (the
-    coordinator switches only on ``update_weights``); any other backend writes the weights by
-    its own transport, behind the coordinator's back, so the extension refuses at start."""
-    backend = weight_transfer_backend(vllm_config)
-    if backend is None or backend == BACKEND:
-        return None
-    return (f"--weight-transfer-config backend {backend!r} and a deltasync bucket URL "
-            "(VLLM_DELTASYNC_URL or additional_config deltasync.url) are both configured: "
-            "two writers of the same weights would fight, so deltasync does not follow. Use "
-            "--weight-transfer-config '{\"backend\": \"deltasync\"}' for trainer-driven "
-            f"updates through the bucket, or remove the bucket URL to update through {backend!r}")
-
-
-def update_info_step(update_info: Any) -> tuple[Any, Any]:
-    """(step, identity) of a ``deltasync`` update (``{"step": N, "identity": ...}``, or a list
-    of them, one per worker, all the same); :class:`ValueError` naming what is wrong."""
-    infos = update_info if isinstance(update_info, list) else [update_info]
-    if not infos or any(not isinstance(i, Mapping) for i in infos):
-        raise ValueError(f"deltasync update_info must be {{'step': N, 'identity': ...}}, got "
-                         f"{update_info!r}")
-    pairs = set()
-    for info in infos:
-        unknown = set(info) - {"step", "identity"}
-        if unknown or "step" not in info:
-            raise ValueError(f"deltasync update_info takes 'step' (required) and 'identity', got "
-                             f"keys {sorted(info)}")
-        pairs.add((info["step"], info.get("identity")))
-    if len(pairs) != 1:
-        raise ValueError(f"deltasync update_info differs between workers: {sorted(pairs, key=str)}")
-    return next(iter(pairs))
-
-
-def same_bucket(a: str, b: str) -> bool:
-    """Two URLs name the same bucket: equal without credentials, a trailing ``/`` and the
-    scheme's case."""
-    from vllm_deltasync._urls import strip_userinfo
-
-    def normal(url: str) -> str:
-        scheme, sep, rest = strip_userinfo(str(url).strip()).partition("://")
-        return (scheme.lower() + sep + rest).rstrip("/")
-
-    return normal(a) == normal(b)
-
-
 def _hook_weight_transfer(engine: Any) -> None:
     """Weight-transfer calls of backend ``deltasync`` are answered in the engine core, by its
-    coordinator: ``collective_rpc("update_weights", kwargs={"update_info": {"step": N, ...}})``
-    (vLLM's ``LLM.update_weights``, ``AsyncLLM.update_weights``, the dev-mode
-    ``/update_weights`` route) goes to :meth:`Coordinator.update_to` and never reaches the
-    workers; ``init_weight_transfer_engine`` is checked here first (the trainer's bucket, a
-    coordinator that refused) and then goes on to the workers. Errors are raised here, not in
-    the workers: vLLM's multiprocessing executor stops reading the ranks' answers at the first
-    failure, and the later ranks' answers would be read by the next call. Every other call
-    goes on as before. On the instance: vLLM's utility handler looks the method up with
+    coordinator (``server/engine/trainer.py``): ``collective_rpc("update_weights",
+    kwargs={"update_info": {"step": N, ...}})`` (vLLM's ``LLM.update_weights``,
+    ``AsyncLLM.update_weights``, the dev-mode ``/update_weights`` route) goes to
+    ``Coordinator.update_to`` and never reaches the workers; ``init_weight_transfer_engine`` is
+    checked here first (the trainer's bucket, a coordinator that refused) and then goes on to
+    the workers, as do ``start_weight_update`` and ``finish_weight_update``; calls out of
+    vLLM's order are refused (``trainer.Protocol``). Errors are raised here, not in the
+    workers: vLLM's multiprocessing executor stops reading the ranks' answers at the first
+    failure, and the later ranks' answers would be read by the next call. Every other call goes
+    on as before. On the instance: vLLM's utility handler looks the method up with
     ``getattr(engine, "collective_rpc")``."""
     rpc = engine.collective_rpc
+    protocol = trainer.Protocol()
+    steps = {"init_weight_transfer_engine": protocol.init,
+             "start_weight_update": protocol.start,
+             "finish_weight_update": protocol.finish}
 
     def collective_rpc(method: Any, timeout: float | None = None, args: tuple[Any, ...] = (),
                        kwargs: dict[str, Any] | None = None) -> Any:
-        if method not in ("update_weights", "init_weight_transfer_engine"):
-            return rpc(method, timeout, args, kwargs)
         coord = getattr(engine, "_deltasync_coord", None)
         if method == "init_weight_transfer_engine":
-            _check_init(coord, (kwargs or {}).get("init_info", args[0] if args else None))
+            trainer.check_init(coord, (kwargs or {}).get("init_info", args[0] if args else None))
+        if method in steps:
+            steps[method]()  # refused before the workers see an out-of-order call
+            return rpc(method, timeout, args, kwargs)
+        if method != "update_weights":
             return rpc(method, timeout, args, kwargs)
         if coord is None:
             raise RuntimeError(
                 "update_weights: weight-transfer backend 'deltasync' needs a deltasync bucket "
                 "(VLLM_DELTASYNC_URL or --additional-config '{\"deltasync\": {\"url\": ...}}'); "
                 "none is configured on this server")
+        protocol.update()
         info = (kwargs or {}).get("update_info", args[0] if args else None)
-        step, identity = update_info_step(info)
+        step, identity = trainer.update_info_step(info)
         coord.update_to(step, identity)
-        return [None] * max(1, len(coord.statuses))
+        return [None] * max(1, len(coord.ranks))
 
     engine.collective_rpc = collective_rpc
-
-
-def _check_init(coord: Any, init_info: Any) -> None:
-    """``init_weight_transfer_engine`` of backend ``deltasync``, in the engine core: a
-    coordinator that refused says why; a trainer's bucket other than this server's is an
-    error. No coordinator (no bucket configured): the workers' receiver says what is missing."""
-    if coord is None:
-        return
-    if not coord.active:
-        raise RuntimeError("init_weight_transfer_engine: weight-transfer backend 'deltasync': "
-                           f"deltasync does not follow on this server: {coord.last_error}")
-    url = init_info.get("url") if isinstance(init_info, Mapping) else None
-    if url is not None and not same_bucket(str(url), coord.config.url):
-        from vllm_deltasync._urls import redact_url
-
-        raise ValueError(
-            f"init_weight_transfer_engine: weight-transfer backend 'deltasync': the trainer "
-            f"publishes to {redact_url(str(url))} but this server follows "
-            f"{coord.config.redacted_url()} (VLLM_DELTASYNC_URL / additional_config "
-            "deltasync.url); give both the same bucket")
 
 
 def surface_refusal() -> str | None:
@@ -437,7 +297,7 @@ def surface_refusal() -> str | None:
     from vllm_deltasync.server.vllm.plugin import PLUGIN_REFUSALS
 
     lines = list(PLUGIN_REFUSALS)
-    found = surface.cached_problems()
+    found = surface_check.cached_problems()
     if found:
         lines.append(f"vLLM {surface.vllm_version()} lacks what vllm-deltasync relies on "
                      f"({'; '.join(found)}); vLLM serves the loaded weights, the extension "

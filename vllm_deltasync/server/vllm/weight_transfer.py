@@ -65,7 +65,7 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
         """Check that this server follows the trainer's bucket (nothing to open: the bucket is
         the transport). A clear error when the extension or the bucket is missing, or the
         trainer names another bucket."""
-        from vllm_deltasync.server.vllm.engine import same_bucket
+        from vllm_deltasync.server.engine.trainer import same_bucket
 
         try:
             config = self._server_config()

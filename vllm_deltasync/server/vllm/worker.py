@@ -17,43 +17,49 @@ from typing import Any
 
 import torch
 
-from vllm_deltasync.server.worker.rank import RankState
+from vllm_deltasync.server.vllm.loaders import LOADER
+from vllm_deltasync.server.worker.target import TargetRank
+from vllm_deltasync.server.worker.view import WorkerView
 
 
-def wrap_worker(worker: Any, state: RankState, *, also_close: Callable[[], Any] | None = None) -> None:
-    """Count each model step and the weight version it ran with (``RankState.record_step``),
-    and stop the rank's poller (and ``also_close``: the drafter's) before the worker shuts
-    down. On this worker instance only."""
+def view_of(worker: Any) -> WorkerView:
+    """The rank's typed view of this vLLM worker (``server/worker/view.py``): every attribute
+    of vLLM's worker the rank uses, read here."""
+    config = worker.vllm_config
+    parallel = config.parallel_config
+    return WorkerView(
+        rank=int(getattr(worker, "rank", 0)),
+        model=worker.model_runner.model,
+        model_path=str(config.model_config.model),
+        loader=LOADER,
+        world_size=int(getattr(parallel, "world_size", 1) or 1),
+        tensor_parallel_size=int(parallel.tensor_parallel_size),
+        additional_config=config.additional_config or {},
+        drafter=drafter_source(worker),
+        layout_specs=lambda: layout_specs(worker.model_runner.model),
+        probe_forward=lambda: probe_forward(worker),
+        module_forward=module_forward,
+    )
+
+
+def wrap_worker(worker: Any, record_step: Callable[[Callable[[], Any], int], Any],
+                close: Callable[[], Any]) -> None:
+    """Count each model step and the weight version it ran with (``record_step``), and stop
+    the rank's pollers (``close``) before the worker shuts down. On this worker instance only."""
     inner = worker.execute_model
 
     def execute_model(scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
         tokens = int(getattr(scheduler_output, "total_num_scheduled_tokens", 0) or 0)
-        return state.record_step(lambda: inner(scheduler_output, *args, **kwargs), tokens)
+        return record_step(lambda: inner(scheduler_output, *args, **kwargs), tokens)
 
     worker.execute_model = execute_model
     shutdown = worker.shutdown
 
     def shutdown_after_poller() -> None:
-        state.close()
-        if also_close is not None:
-            also_close()
+        close()
         shutdown()
 
     worker.shutdown = shutdown_after_poller
-
-
-def additional_config(worker: Any) -> Any:
-    """The engine's ``additional_config`` (its ``deltasync`` section holds our settings)."""
-    return worker.vllm_config.additional_config
-
-
-def tensor_parallel_size(worker: Any) -> int:
-    return int(worker.vllm_config.parallel_config.tensor_parallel_size)
-
-
-def layout_source(worker: Any) -> Callable[[], dict[str, Any]]:
-    """What ``RankState(layout_specs=...)`` calls: the layouts of the worker's current model."""
-    return lambda: layout_specs(worker.model_runner.model)
 
 
 def layout_specs(model: torch.nn.Module) -> dict[str, Any]:
@@ -250,16 +256,16 @@ def _stage_index(worker: Any) -> int:
     return int(getattr(worker, "rank", 0)) // tp
 
 
-def watch_weight_writes(worker: Any, state: RankState) -> None:
+def watch_weight_writes(worker: Any, state: TargetRank) -> None:
     """Catch vLLM writing the weights behind our back, then re-prove and resync through the
-    newest anchor (``RankState.check_reload``): ``reload_weights`` (the runner's in-place
+    newest anchor (``TargetRank.check_reload``): ``reload_weights`` (the runner's in-place
     reload) and any call of the model's own ``load_weights`` (what vLLM's sparse
     ``load_checkpoint_weight_patches`` and a user's worker function go through). Their loaders
     write through ``param.data``, which moves no version counter, so these calls are the only
     trace. Only the outermost call counts (a reload runs ``load_weights`` inside), and our own
-    probe's calls (``RankState.probing``) never do. The write is settled (counted, the map
+    probe's calls (``TargetRank.probing``) never do. The write is settled (counted, the map
     rebuilt) at the engine core's next ``deltasync_status``, which it sends right after any
-    such call and before the next batch (``RankState.settle_writes``)."""
+    such call and before the next batch (``TargetRank.settle_writes``)."""
     runner = worker.model_runner
     depth = threading.local()
 

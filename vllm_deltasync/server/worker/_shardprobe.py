@@ -8,9 +8,9 @@ affine :class:`Block` and skips every write into the model.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -176,7 +176,7 @@ class _Recorder(TorchDispatchMode):
         if func.is_view and not kwargs and len(args) and isinstance(args[0], torch.Tensor) \
                 and args[0].device.type == "meta":
             return func(*args)  # a view of a probe (narrow, select, unbind, ...): geometry only
-        metas = [a for a in _tensors(args, kwargs) if a.device.type == "meta"]
+        metas = [a for a in tensors_of(args, kwargs) if a.device.type == "meta"]
         written = _written(func, args, kwargs)
         if written and any(self.index.owner(w) is not None for w in written):
             if metas:
@@ -254,7 +254,7 @@ def _geom(t: torch.Tensor) -> Geometry:
     return (int(t.storage_offset()), tuple(int(n) for n in t.shape), tuple(t.stride()))
 
 
-def _tensors(args: Any, kwargs: Any) -> list[torch.Tensor]:
+def tensors_of(args: Any, kwargs: Any) -> list[torch.Tensor]:
     flat = [*args, *kwargs.values()]
     out = []
     for a in flat:
@@ -291,57 +291,36 @@ def _dtype(name: str, dtype: str) -> torch.dtype:
 
 
 DECLINED = "declined by the loader of "
-"""Start of the unplaced reason of a name whose parameter's ``weight_loader`` answered False
-and wrote nothing: vLLM's way of saying the tensor belongs to another rank (an expert held by
-another expert-parallel rank). ``shardmap.py`` records such names as not on this rank."""
+"""Start of the unplaced reason of a name whose parameter's loader answered False and wrote
+nothing: vLLM's way of saying the tensor belongs to another rank (an expert held by another
+expert-parallel rank). ``shardmap.py`` records such names as not on this rank."""
 
 
-class _Declines:
-    """While probing, wraps every parameter's ``weight_loader`` attribute to record the ones
-    that answer ``False`` (vLLM's ``return_success`` protocol: not loaded here)."""
+class DeclineLog(Protocol):
+    """What the loader's decline log (``Loader.declines``) records while it is entered."""
 
-    def __init__(self, model: torch.nn.Module) -> None:
-        self.model = model
-        self.declined: list[tuple[str, tuple[Any, ...]]] = []
-        """(parameter, the loader's tensor arguments) of each call that answered False."""
-        self.saved: list[tuple[torch.Tensor, bool, Any]] = []
+    declined: list[tuple[str, tuple[Any, ...]]]
+    """(parameter, the loader's tensor arguments) of each call that answered False."""
 
-    def __enter__(self) -> _Declines:
-        for pname, p in self.model.named_parameters(remove_duplicate=False):
-            inner = getattr(p, "weight_loader", None)
-            if not callable(inner):
-                continue
-            own = "weight_loader" in vars(p)
-            try:
-                p.weight_loader = self._wrap(pname, inner)  # type: ignore[attr-defined]
-            except AttributeError:  # a read-only property (vLLM's parameter classes)
-                continue
-            self.saved.append((p, own, inner))
-        return self
+    def __enter__(self) -> DeclineLog: ...
 
-    def _wrap(self, pname: str, inner: Any) -> Any:
-        def weight_loader(*args: Any, **kwargs: Any) -> Any:
-            result = inner(*args, **kwargs)
-            if result is False:
-                self.declined.append((pname, tuple(_tensors(args, kwargs))))
-            return result
+    def __exit__(self, *exc: object) -> None: ...
 
-        return weight_loader
 
-    def __exit__(self, *exc: object) -> None:
-        for p, own, inner in reversed(self.saved):
-            # vLLM's parameter classes keep the loader behind a property whose deleter
-            # *clears* it: set it back there (deleting would break every later load_weights,
-            # reload_weights included); delete only our instance attribute over a class one
-            if own or isinstance(getattr(type(p), "weight_loader", None), property):
-                p.weight_loader = inner  # type: ignore[attr-defined]
-            else:
-                delattr(p, "weight_loader")
-        self.saved.clear()
+@dataclass(frozen=True)
+class Loader:
+    """What the probe needs of the serving engine's loading machinery (vLLM's, handed in by
+    ``server/vllm/loaders.py``: this module touches no vLLM attribute)."""
+
+    load_weights: Callable[[torch.nn.Module], Callable[[Iterable[tuple[str, torch.Tensor]]], Any]]
+    """The model's loader of checkpoint-named tensors (ApplyError when it has none)."""
+    declines: Callable[[torch.nn.Module], DeclineLog]
+    """A context that records the parameters whose loader declined a tensor."""
 
 
 def probe_model(
-    model: torch.nn.Module, checkpoint_params: Mapping[str, tuple[tuple[int, ...], str]]
+    model: torch.nn.Module, checkpoint_params: Mapping[str, tuple[tuple[int, ...], str]],
+    loader: Loader,
 ) -> tuple[dict[str, list[tuple[str, Block]]], dict[str, str]]:
     """Run the model's loader on meta probes: (placed blocks, unplaced reasons).
 
@@ -358,14 +337,12 @@ def probe_model(
     startup proof's check 1 then reads every one of them back); otherwise the whole family is
     probed."""
     index = _ParamIndex(model)
-    load_weights = getattr(model, "load_weights", None)
-    if not callable(load_weights):
-        raise ApplyError(f"{type(model).__name__} has no load_weights(); cannot derive a shard map")
+    load_weights = loader.load_weights(model)
     probes = {name: torch.empty(tuple(shape), dtype=_dtype(name, dtype), device="meta")
               for name, (shape, dtype) in checkpoint_params.items()}
     families = expert_families(probes)
     inferred = {name for family in families for _, name in family[2:-1]}
-    with _Declines(model) as declines:
+    with loader.declines(model) as declines:
         placed, unplaced = _probe(load_weights, {n: p for n, p in probes.items()
                                                  if n not in inferred}, index, declines)
         numel = {n: p.numel() for n, p in model.named_parameters(remove_duplicate=False)}
@@ -424,7 +401,7 @@ def _extrapolate(family: list[tuple[int, str]], placed: dict[str, list[tuple[str
 
 
 def _probe(load_weights: Any, probes: Mapping[str, torch.Tensor], index: _ParamIndex,
-           declines: _Declines) -> tuple[dict[str, list[tuple[str, Block]]], dict[str, str]]:
+           declines: DeclineLog) -> tuple[dict[str, list[tuple[str, Block]]], dict[str, str]]:
     """One batched call for ``probes``; name by name if it failed."""
     if len(probes) > 1:
         batch = _probe_batch(load_weights, probes, index, declines)
@@ -450,7 +427,7 @@ def _probe(load_weights: Any, probes: Mapping[str, torch.Tensor], index: _ParamI
 
 
 def _probe_batch(load_weights: Any, probes: Mapping[str, torch.Tensor], index: _ParamIndex,
-                 declines: _Declines
+                 declines: DeclineLog
                  ) -> tuple[dict[str, list[tuple[str, Block]]], dict[str, str]] | None:
     """Every name in one ``load_weights`` call; None when anything failed (then the caller
     probes name by name for exact reasons)."""

@@ -18,7 +18,7 @@ Off the critical path where it can be (:meth:`PackedLayers.prebuild`): once a de
 and the live weights are at its base step, the poller thread copies each layer it touches,
 writes the step's pieces into the copy and packs that, so the switch only writes the
 parameters and swaps kernels. The prebuilt kernels are used only if no write of ours happened
-since the copies were taken (``RankState.write_seq``, a sequence counter: odd while a write is
+since the copies were taken (``Writes.seq`` of ``writes.py``, a sequence counter: odd while a write is
 under way), and only for that one step; otherwise the switch packs as above. They hold another
 packed copy of the touched layers until the switch, so they are built only when that fits in
 ``max_staged_bytes``.
@@ -44,6 +44,8 @@ from vllm_deltasync.server.worker.shardmap import Piece
 REPACK_ATTR = "_deltasync_repack"
 """Set on a packed layer by the extension's CPU GEMM dispatch: ``(weight=None, bias=None) ->
 kernel``, packed from the layer's live tensors, or from the copies given."""
+INSTALL_ATTR = "_deltasync_install"
+"""Set beside it: ``(kernel) -> None`` makes the layer compute with that kernel."""
 
 
 @dataclass
@@ -104,7 +106,7 @@ class PackedLayers:
         started = time.perf_counter()
         built = [(module, getattr(module, REPACK_ATTR)()) for module in layers]
         for module, kernel in built:
-            module.cpu_linear = kernel
+            getattr(module, INSTALL_ATTR)(kernel)
         seconds = time.perf_counter() - started
         self.repacks += len(built)
         self.seconds += seconds
@@ -152,7 +154,7 @@ class PackedLayers:
         done = {id(m) for m, _ in prebuilt.kernels}
         rest = [p for p in params if any(id(m) not in done for m in self.by_param.get(id(p), ()))]
         for module, kernel in prebuilt.kernels:
-            module.cpu_linear = kernel
+            getattr(module, INSTALL_ATTR)(kernel)
         n = len(prebuilt.kernels) + (self.refresh(rest) if rest else 0)
         self.repacks += len(prebuilt.kernels)
         self.seconds += prebuilt.seconds

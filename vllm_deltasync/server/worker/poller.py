@@ -39,7 +39,7 @@ from vllm_deltasync.format._listing import newest_readable, skipped_line
 from vllm_deltasync.format.codec import TensorPatch
 from vllm_deltasync.format.manifest import Manifest
 from vllm_deltasync.format.reader import BucketReader, short_id
-from vllm_deltasync.server.messages import RankStatus
+from vllm_deltasync.server.messages import TargetStatus
 from vllm_deltasync.server.metrics import WorkerStats, error_reason
 from vllm_deltasync.server.worker.affinity import Placement, format_cpus, plan_staging
 from vllm_deltasync.server.worker.discovery import StepWatcher
@@ -159,29 +159,23 @@ class Poller:
         """Steps staged and ready, in apply order (each chains on the one before)."""
         return self.state.ready_steps()
 
-    def status(self) -> RankStatus:
-        """The per-rank status (``server/messages.py``; ``metrics.py`` for what it feeds)."""
+    def status(self) -> TargetStatus:
+        """What the poller and the rank's sync state know (``server/messages.py``); the rank
+        adds the rest (``TargetRank.status``)."""
         snap = self.state.snapshot()
-        return {
-            "rank": self.rank,
-            "applied_step": snap.applied_step,
-            "applied_id": snap.applied_id,
-            "staged_step": snap.ready_steps[-1] if snap.ready_steps else None,
-            "ready_steps": list(snap.ready_steps),
-            "ready_ids": list(snap.ready_ids),
-            "branch_lost": snap.branch_lost,
-            "newest_step": snap.newest_step,
-            "applied_published_at": snap.applied_published_at,
-            "newest_published_at": snap.newest_published_at,
-            "last_discovery_at": snap.last_discovery_at,
-            "staged_bytes": snap.staged_bytes,
-            "last_error": snap.last_error,
-            "pending_switch": snap.pending_switch,
-            "last_apply": snap.last_apply,
-            "bucket": self.config.redacted_url(),
-            "staging_cpus": format_cpus(self.placement.cpus),
-            "counters": self.stats.snapshot(getattr(self._reader.store, "stats", None)),
-        }
+        return TargetStatus(
+            rank=self.rank, model="",
+            applied_step=snap.applied_step, applied_id=snap.applied_id,
+            staged_step=snap.ready_steps[-1] if snap.ready_steps else None,
+            ready_steps=snap.ready_steps, ready_ids=snap.ready_ids,
+            branch_lost=snap.branch_lost, newest_step=snap.newest_step,
+            applied_published_at=snap.applied_published_at,
+            newest_published_at=snap.newest_published_at,
+            last_discovery_at=snap.last_discovery_at, staged_bytes=snap.staged_bytes,
+            last_error=snap.last_error, pending_switch=snap.pending_switch,
+            last_apply=snap.last_apply, bucket=self.config.redacted_url(),
+            staging_cpus=format_cpus(self.placement.cpus),
+            counters=self.stats.snapshot(getattr(self._reader.store, "stats", None)))
 
     # ------------------------------------------------------------- the loop
     def _signal_room(self) -> None:

@@ -56,7 +56,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from vllm_deltasync.errors import ApplyError
-from vllm_deltasync.server.worker._shardprobe import DECLINED, Block, probe_model
+from vllm_deltasync.server.worker._shardprobe import DECLINED, Block, Loader, probe_model
 from vllm_deltasync.server.worker.layouts import Layout, LayoutSpec
 
 if TYPE_CHECKING:
@@ -173,8 +173,11 @@ class ShardMap:
         model: torch.nn.Module,
         checkpoint_params: Mapping[str, tuple[tuple[int, ...], str]],
         layouts: Mapping[str, LayoutSpec] | None = None,
+        *,
+        loader: Loader,
     ) -> ShardMap:
-        """Probe ``model.load_weights`` once per checkpoint name (see the module docstring).
+        """Probe the model's loaders (``loader``: the serving engine's, ``server/vllm/
+        loaders.py``) once per checkpoint name (see the module docstring).
 
         ``checkpoint_params`` maps each checkpoint name to ``(shape, dtype name)``.
         ``layouts``: runtime parameters a kernel rearranged after loading, by parameter name,
@@ -184,7 +187,7 @@ class ShardMap:
         """
         layouts = dict(layouts or {})
         with _standins(model, layouts):
-            placed, unplaced = probe_model(model, checkpoint_params)
+            placed, unplaced = probe_model(model, checkpoint_params, loader)
         params: dict[str, torch.Tensor] = dict(model.named_parameters(remove_duplicate=False))
         params.update(model.named_buffers(remove_duplicate=False))
         targets = {

@@ -293,7 +293,7 @@ class SyncState(Generic[P]):
             self._pending = pending
             self._failed = None
             self._switch_error = None
-            self._last_apply = LastApply(**last_apply)
+            self._last_apply = last_apply
 
     def switch_failed(self, step: int, reverted: bool, error: str) -> None:
         """This rank's own write of ``step`` failed; ``reverted``: it put its weights back."""
@@ -380,7 +380,7 @@ class SyncState(Generic[P]):
                 newest_published_at=self._newest[1],
                 last_discovery_at=self._last_discovery_at,
                 last_error=self._switch_error or self._poll_error,
-                last_apply=LastApply(**self._last_apply) if self._last_apply else None,
+                last_apply=self._last_apply,
                 pending_switch=self._pending.step if self._pending is not None else None,
             )
 
