@@ -52,7 +52,7 @@ def main(kind: str, work: Path) -> None:
     from vllm import LLM, SamplingParams
 
     llm = LLM(enforce_eager=True, max_model_len=256, dtype="bfloat16", seed=0, max_num_seqs=4,
-              **args)
+              kv_cache_memory_bytes=32 << 20, **args)
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     first = llm.generate([{"prompt_token_ids": [7]}], params, use_tqdm=False)
     batch = llm.generate(["the policy reward model step update weight bucket",

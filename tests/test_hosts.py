@@ -3,8 +3,8 @@
 * every child Python of a test run starts with tests/startup/sitecustomize.py, which asks
   Linux for AMX tiles as the test process did, and still runs a ``sitecustomize`` it hides;
 * the host is named by kind from its CPU flags (the three kinds seen so far);
-* a probe killed by SIGILL (a real one: ``ud2`` run in a child) gives a skip reason naming the
-  host, the signal and the frame it died in; any other failure gives none (the tests fail and
+* a probe killed by SIGILL (a child's, faulthandler's frames and all) gives a skip reason naming
+  the host, the signal and the frame it died in; any other failure gives none (the tests fail and
   say why);
 * a stock engine of the toy Llama runs here, without AMX, where vLLM selects no AMX kernel
   (skipped where AMX is advertised: there the probe's answer is what decides).
@@ -78,18 +78,16 @@ def test_the_host_is_named_by_kind(flags: str, tiles: bool | None, kind: str) ->
 
 
 def test_only_a_cpu_trap_is_a_reason_to_skip() -> None:
-    ud2 = ("import ctypes, faulthandler, mmap\n"
-           "faulthandler.enable()\n"
-           "page = mmap.mmap(-1, 4096, prot=mmap.PROT_READ | mmap.PROT_WRITE | mmap.PROT_EXEC)\n"
-           "page.write(b'\\x0f\\x0b')\n"
-           "def trap():\n"
-           "    ctypes.CFUNCTYPE(None)(ctypes.addressof(ctypes.c_char.from_buffer(page)))()\n"
-           "trap()\n")
-    proc = _child(ud2)
+    trap = ("import faulthandler, os, signal\n"
+            "faulthandler.enable()\n"
+            "def kernel():\n"
+            "    os.kill(os.getpid(), signal.SIGILL)\n"
+            "kernel()\n")
+    proc = _child(trap)
     assert proc.returncode == -signal.SIGILL, (proc.returncode, proc.stderr)
     reason = EngineProbe("draft_model", proc.returncode, proc.stderr).skip_reason
     assert reason is not None
-    assert HOST in reason and "SIGILL in trap (<string>:6)" in reason and "draft" in reason
+    assert HOST in reason and "SIGILL in kernel (<string>:4)" in reason and "draft" in reason
     assert EngineProbe("toy", 1, "Traceback: RuntimeError").skip_reason is None
     assert EngineProbe("toy", None, "").skip_reason is None  # a hang fails the tests instead
     assert EngineProbe("toy", 0, "PROBE {}").skip_reason is None
