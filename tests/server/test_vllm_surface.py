@@ -61,14 +61,16 @@ def test_the_behaviours_the_patches_rely_on() -> None:
     from vllm.v1.engine import EngineCoreRequestType
 
     # the CPU GEMM patch packs through vLLM's own dispatch on a stand-in, remove_weight False:
-    # the kernel lands on the object's cpu_linear and the weight it was given stays
+    # the kernel lands on the object's cpu_linear and the weight it was given stays. The
+    # reference is computed from copies of what vLLM was given: vLLM may convert the layer's
+    # state in place (its sgl path, on AMX hosts, makes the bias float32)
     layer = torch.nn.Linear(64, 32, bias=True).to(torch.bfloat16)
-    weight = layer.weight.detach().clone()
+    weight, bias = layer.weight.detach().clone(), layer.bias.detach().clone()
     dispatch_cpu_unquantized_gemm(layer, False)
     assert callable(layer.cpu_linear) and torch.equal(layer.weight, weight)
     x = torch.randn(3, 64, dtype=torch.bfloat16)
-    got = layer.cpu_linear(x, layer.weight, layer.bias)
-    torch.testing.assert_close(got.float(), torch.nn.functional.linear(x, weight, layer.bias).float(),
+    got = layer.cpu_linear(x.clone(), layer.weight, layer.bias)
+    torch.testing.assert_close(got.float(), torch.nn.functional.linear(x, weight, bias).float(),
                                rtol=2e-2, atol=2e-2)
     # the coordinator's hold and drain order the pause states this way
     assert PauseState.UNPAUSED < PauseState.PAUSED_NEW < PauseState.PAUSED_ALL

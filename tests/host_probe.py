@@ -1,0 +1,65 @@
+"""Whether this host runs a stock vLLM engine of one kind: ``python -m tests.host_probe KIND DIR``.
+
+Started once per test session and kind by tests/conftest.py (``engine_probe``), only when a
+test that needs that kind runs. The engine is vLLM's own, as a user without deltasync starts
+it: tests/conftest.py sets ``VLLM_PLUGINS`` to a name no plugin has and drops every
+``VLLM_DELTASYNC_*`` variable. Its engine core and worker run in this process
+(``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so a kernel the CPU traps kills this process with
+SIGILL, and faulthandler prints the Python frames it died in.
+
+The first request is one token: its forward runs no oneDNN or torch matrix kernel that could
+ask Linux for AMX tiles before vLLM's own attention runs (a process that has not asked dies of
+SIGILL there; tests/startup/sitecustomize.py). A batch of two longer prompts follows. Prints
+``PROBE {...}`` (the tokens) on success.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+KINDS: dict[str, str] = {
+    "toy": "the toy Llama of examples/toymodel.py (head size 32)",
+    "draft_model": "the toy Llama with a 1-layer toy Llama draft (speculative_config method "
+                   "'draft_model', 3 tokens)",
+    "moe": "a toy Qwen3-MoE (vLLM's CPU fused-MoE experts)",
+}
+"""The kinds of engine probed, as the skip reasons name them."""
+
+
+def engine_args(kind: str, work: Path) -> dict[str, Any]:
+    """``vllm.LLM`` keyword arguments for ``kind``, its toy checkpoints built under ``work``."""
+    from examples.toymodel import build_model
+
+    if kind == "toy":
+        return {"model": str(build_model(work / "toy", "llama"))}
+    if kind == "draft_model":
+        draft = build_model(work / "draft", "llama", num_layers=1)
+        return {"model": str(build_model(work / "policy", "llama")),
+                "speculative_config": {"method": "draft_model", "model": str(draft),
+                                       "num_speculative_tokens": 3}}
+    if kind == "moe":
+        return {"model": str(build_model(work / "moe", "qwen3_moe", moe_intermediate_size=64))}
+    raise SystemExit(f"unknown engine kind {kind!r}; known: {', '.join(KINDS)}")
+
+
+def main(kind: str, work: Path) -> None:
+    faulthandler.enable()
+    args = engine_args(kind, work)
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(enforce_eager=True, max_model_len=256, dtype="bfloat16", seed=0, max_num_seqs=4,
+              kv_cache_memory_bytes=32 << 20, **args)
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    first = llm.generate([{"prompt_token_ids": [7]}], params, use_tqdm=False)
+    batch = llm.generate(["the policy reward model step update weight bucket",
+                          "river mountain city house garden"], params, use_tqdm=False)
+    tokens = [list(o.outputs[0].token_ids) for o in [*first, *batch]]
+    print("PROBE " + json.dumps({"kind": kind, "tokens": tokens}), flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], Path(sys.argv[2]))
