@@ -109,11 +109,11 @@ class Rule:
         return ConfigError(f"{where}={shown}: {why}; {self.expects()}")
 
     def expects(self) -> str:
-        """What to use, for a message and the docs: ``use seconds from 0.01 to 3600``."""
+        """What to use, for a message: ``use a number from 0.01 to 3600 seconds``."""
         extra = ", or none" if self.optional else ""
         if self.kind in ("int", "float"):
             what = "an integer" if self.kind == "int" else "a number"
-            return f"use {what}{self.unit} from {_num(self.lo)} to {_num(self.hi)}{extra}"
+            return f"use {what} from {_num(self.lo)} to {_num(self.hi)}{self.unit}{extra}"
         if self.kind == "choice":
             return "use " + " or ".join(repr(c) for c in self.choices)
         return _EXPECTS[self.kind] + extra

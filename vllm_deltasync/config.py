@@ -72,7 +72,7 @@ class SyncConfig:
     bucket, reading only its own tensors, and switches in the same tick as the policy. Excludes
     ``drafter_url``."""
 
-    poll_interval_s: float = _opt(2.0, Rule("float", 0.01, 3600.0, unit=" of seconds"))
+    poll_interval_s: float = _opt(2.0, Rule("float", 0.01, 3600.0, unit=" seconds"))
     """Seconds between two looks for a newer manifest; also how often the engine core checks
     whether all ranks have a step staged. From 0.01 to 3600 (a shorter interval is a busy
     loop)."""
@@ -80,12 +80,12 @@ class SyncConfig:
     download_concurrency: int = _opt(8, Rule("int", 1, 1024))
     """Data files downloaded at the same time by one rank. From 1 to 1024."""
 
-    max_staged_bytes: int = _opt(1 << 30, Rule("int", 1, _BYTES_CAP, unit=" of bytes"))
+    max_staged_bytes: int = _opt(1 << 30, Rule("int", 1, _BYTES_CAP, unit=" bytes"))
     """Host bytes of decoded, translated steps waiting to be applied, per rank. One step larger
     than this is still staged when nothing else is (alone), so a big anchor cannot block.
     From 1 to 2**50."""
 
-    max_device_staged_bytes: int = _opt(256 << 20, Rule("int", 0, _BYTES_CAP, unit=" of bytes"))
+    max_device_staged_bytes: int = _opt(256 << 20, Rule("int", 0, _BYTES_CAP, unit=" bytes"))
     """Of those, bytes that may live on the accelerator (GPU engines), per rank: the staged
     pieces of parameters on a GPU go to the device until this is reached, the rest wait in
     pinned host memory and are copied at the switch (a longer pause, no device memory).
@@ -119,17 +119,17 @@ class SyncConfig:
     """Longest delta chain followed before jumping to the newest anchor instead. From 1 to
     100000."""
 
-    max_drain_wait_s: float = _opt(60.0, Rule("float", 0.0, _DAY_S, unit=" of seconds"))
+    max_drain_wait_s: float = _opt(60.0, Rule("float", 0.0, _DAY_S, unit=" seconds"))
     """With ``in_flight="drain"``: longest wait for running requests before switching anyway.
     From 0 to 86400."""
 
-    update_wait_s: float = _opt(60.0, Rule("float", 0.001, _DAY_S, unit=" of seconds"))
+    update_wait_s: float = _opt(60.0, Rule("float", 0.001, _DAY_S, unit=" seconds"))
     """vLLM's weight-transfer API, backend ``deltasync`` (docs/extension.md): longest time the
     trainer's ``update_weights({"step": N})`` waits for every rank to have step ``N`` staged
     before it fails naming the step. The engine core schedules no batch while it waits. From
     0.001 to 86400."""
 
-    min_version_wait_s: float = _opt(5.0, Rule("float", 0.0, 3600.0, unit=" of seconds"))
+    min_version_wait_s: float = _opt(5.0, Rule("float", 0.0, 3600.0, unit=" seconds"))
     """HTTP: longest time a request with ``X-Min-Weight-Version: N`` waits for step ``N`` to be
     applied before it is answered 409 (``Retry-After``); ``0``: answer at once. From 0 to
     3600."""
@@ -198,7 +198,7 @@ class SyncConfig:
     or fragment. Parsed and validated; no reader uses it yet."""
 
     fetch_jitter_s: float | None = _opt(
-        None, Rule("float", 0.0, 600.0, optional=True, unit=" of seconds"))
+        None, Rule("float", 0.0, 600.0, optional=True, unit=" seconds"))
     """A random delay, up to this many seconds, before a rank fetches a step it just
     discovered, so that a fleet does not hit the bucket at the same instant. None (``none``):
     sized from ``poll_interval_s``, ``min(poll_interval_s, 5)`` (:attr:`fetch_jitter_bound_s`);

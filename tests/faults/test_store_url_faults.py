@@ -30,6 +30,7 @@ from aiohttp import web
 from tests.faults.conftest import (
     PLANTED,
     Hostile,
+    LookupLog,
     assert_no_secret,
     cli,
     one_line_error,
@@ -52,20 +53,6 @@ MANIFEST = "manifests/000000000003.json"
 
 
 # -- 1. credentials --------------------------------------------------------------------------
-
-
-class LookupLog:
-    """Records every host name the process looks up (the real resolver still answers)."""
-
-    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        self.hosts: list[str] = []
-        real = socket.getaddrinfo
-
-        def lookup(host: Any, *args: Any, **kwargs: Any) -> Any:
-            self.hosts.append(str(host))
-            return real(host, *args, **kwargs)
-
-        monkeypatch.setattr(socket, "getaddrinfo", lookup)
 
 
 def test_status_never_looks_up_or_shows_userinfo(
