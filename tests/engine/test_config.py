@@ -19,9 +19,9 @@ def test_env_overrides_additional_config_and_types_are_coerced() -> None:
     assert cfg.reset_prefix_cache is False and cfg.loaded_step == 7
 
 
-def test_additional_config_may_be_a_json_string() -> None:
-    cfg = SyncConfig.from_sources({"deltasync": '{"url": "memory://x", "max_chain": 3}'}, {})
-    assert cfg.url == "memory://x" and cfg.max_chain == 3
+def test_additional_config_as_a_json_string_is_refused_with_the_fix() -> None:
+    with pytest.raises(ConfigError, match="is a string .*give the object itself"):
+        SyncConfig.from_sources({"deltasync": '{"url": "memory://x", "max_chain": 3}'}, {})
 
 
 @pytest.mark.parametrize(
@@ -30,15 +30,15 @@ def test_additional_config_may_be_a_json_string() -> None:
         ({}, {}, "VLLM_DELTASYNC_URL"),
         ({"deltasync": {"url": "file:///a", "poll_intervall_s": 1}}, {}, "poll_intervall_s"),
         ({}, {"VLLM_DELTASYNC_URL": "file:///a", "VLLM_DELTASYNC_POLL": "1"}, "VLLM_DELTASYNC_POLL"),
-        ({}, {"VLLM_DELTASYNC_URL": "file:///a", "VLLM_DELTASYNC_POLL_INTERVAL_S": "0"}, "poll_interval_s"),
-        ({}, {"VLLM_DELTASYNC_URL": "file:///a", "VLLM_DELTASYNC_ON_START": "later"}, "on_start"),
+        ({}, {"VLLM_DELTASYNC_URL": "file:///a", "VLLM_DELTASYNC_POLL_INTERVAL_S": "0"}, "POLL_INTERVAL_S"),
+        ({}, {"VLLM_DELTASYNC_URL": "file:///a", "VLLM_DELTASYNC_ON_START": "later"}, "ON_START"),
         ({}, {"VLLM_DELTASYNC_URL": "file:///a", "VLLM_DELTASYNC_MAX_CHAIN": "many"}, "MAX_CHAIN"),
         ({}, {"VLLM_DELTASYNC_URL": "file:///a", "VLLM_DELTASYNC_RESET_PREFIX_CACHE": "maybe"},
          "RESET_PREFIX_CACHE"),
         ({}, {"VLLM_DELTASYNC_URL": "not a url"}, "not a URL"),
-        ({}, {"VLLM_DELTASYNC_URL": "file:///a", "VLLM_DELTASYNC_METRICS_PORT": "70000"}, "metrics_port"),
+        ({}, {"VLLM_DELTASYNC_URL": "file:///a", "VLLM_DELTASYNC_METRICS_PORT": "70000"}, "METRICS_PORT"),
         ({}, {"VLLM_DELTASYNC_URL": "file:///a", "VLLM_DELTASYNC_STAGING_CPUS": "cores 2-3"},
-         "staging_cpus"),
+         "STAGING_CPUS"),
     ],
 )
 def test_bad_input_is_a_config_error_naming_the_option(additional, environ, needle) -> None:
@@ -46,11 +46,12 @@ def test_bad_input_is_a_config_error_naming_the_option(additional, environ, need
         SyncConfig.from_sources(additional, environ)
 
 
-def test_credentials_never_appear_in_repr_or_redacted_url() -> None:
-    cfg = SyncConfig(url="s3://AKIAKEY:s3cr3t@host:9000/bucket/prefix?token=abc")
-    text = repr(cfg) + cfg.redacted_url()
-    assert "s3cr3t" not in text and "AKIAKEY" not in text and "token=abc" not in text
-    assert "host:9000/bucket/prefix" in text
+def test_credentials_are_refused_unshown_and_redact_url_keeps_clean_urls() -> None:
+    with pytest.raises(ConfigError) as err:
+        SyncConfig(url="s3://AKIAKEY:s3cr3t@host:9000/bucket/prefix?token=abc")
+    assert "s3cr3t" not in str(err.value) and "AKIAKEY" not in str(err.value)
+    assert redact_url("s3://AKIAKEY:s3cr3t@host:9000/bucket/prefix?token=abc") == (
+        "s3://host:9000/bucket/prefix")
     assert redact_url("hf://buckets/ns/name") == "hf://buckets/ns/name"
 
 

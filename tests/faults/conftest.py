@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import socket
 import threading
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
@@ -86,6 +87,21 @@ class Hostile:
 def hostile() -> Iterator[Hostile]:
     with Hostile() as server:
         yield server
+
+
+class LookupLog:
+    """Records every host name the process looks up (the real resolver still answers): what
+    reaches ``socket.getaddrinfo``, under asyncio, aiohttp, urllib and botocore alike."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.hosts: list[str] = []
+        real = socket.getaddrinfo
+
+        def lookup(host: Any, *args: Any, **kwargs: Any) -> Any:
+            self.hosts.append(str(host))
+            return real(host, *args, **kwargs)
+
+        monkeypatch.setattr(socket, "getaddrinfo", lookup)
 
 
 def assert_no_secret(*texts: Any) -> None:

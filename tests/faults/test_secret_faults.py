@@ -46,7 +46,7 @@ def test_credentials_in_a_bucket_url_are_refused_without_echo(
     one_line_error(rc, cli_err)
     rc2, out2, err2 = cli(capsys, "verify", url)
     one_line_error(rc2, err2)
-    assert_no_secret(msg, str(pub_err.value), str(poll_err.value), repr(SyncConfig(url=url)),
+    assert_no_secret(msg, str(pub_err.value), str(poll_err.value),
                      out, cli_err, out2, err2, all_logs.text)
 
 
@@ -77,8 +77,10 @@ def test_hostile_server_echoing_the_token_does_not_leak_it(hostile: Hostile, run
     assert_no_secret(str(err.value), repr(store), all_logs.text)
 
 
-def test_status_cli_redacts_userinfo_and_query(capsys: pytest.CaptureFixture[str]) -> None:
+def test_status_cli_refuses_userinfo_and_redacts_query(capsys: pytest.CaptureFixture[str]) -> None:
     rc, out, err = cli(capsys, "status", f"http://u:{SECRET}@127.0.0.1:1/metrics?token={TOKEN}")
+    assert rc == 1 and "may carry a credential" in err and not out
+    rc, out, err = cli(capsys, "status", f"http://127.0.0.1:1/metrics?token={TOKEN}")
     assert rc == 1 and "unreachable" in out
     assert_no_secret(out, err)
 

@@ -235,13 +235,16 @@ def _receiver(url: str | None, extension: bool = True) -> Any:
 def test_the_receiver_checks_the_bucket_and_says_why_it_was_reached(
         monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("VLLM_DELTASYNC_URL", raising=False)
-    rx = _receiver("s3://key:secret@rl-runs/policy/")
-    rx.init_transfer_engine(rx.parse_init_info({"url": "S3://rl-runs/policy"}))
+    rx = _receiver("s3://rl-runs/policy/")  # a server's URL never holds credentials (issue 36)
+    rx.init_transfer_engine(rx.parse_init_info({"url": "S3://key:secret@rl-runs/policy"}))
     rx.init_transfer_engine(rx.parse_init_info({}))  # no URL: nothing to check
     with pytest.raises(ValueError, match="publishes to file:///elsewhere but this server follows "
                                          "s3://rl-runs/policy/") as err:
         rx.init_transfer_engine(rx.parse_init_info({"url": "file:///elsewhere"}))
     assert "secret" not in str(err.value)
+    with pytest.raises(ValueError, match="publishes to s3://other/p but") as err:
+        rx.init_transfer_engine(rx.parse_init_info({"url": "s3://key:sec/ret@other/p"}))
+    assert "sec" not in str(err.value) and "key" not in str(err.value)
     with pytest.raises(ValueError, match="Invalid init_info"):
         rx.parse_init_info({"bucket": "x"})
     rx.start_weight_update()

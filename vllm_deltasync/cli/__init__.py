@@ -24,6 +24,7 @@ import importlib
 import os
 import sys
 from collections.abc import Sequence
+from typing import NoReturn
 
 from vllm_deltasync import __version__
 from vllm_deltasync._urls import redact_text
@@ -40,9 +41,18 @@ VERBS: dict[str, tuple[str, str]] = {
 built, so a verb whose optional dependency is missing shows as unavailable instead of failing."""
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser whose usage errors are redacted: ``unrecognized arguments: ...`` or
+    ``invalid choice: ...`` would otherwise print a URL with its secret (the sub-parsers are
+    of this class too: ``add_subparsers`` takes the parent's)."""
+
+    def error(self, message: str) -> NoReturn:
+        super().error(redact_text(message))
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The full parser with every verb."""
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="vllm-deltasync", description="Inspect, verify and materialize vllm-deltasync buckets."
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")

@@ -6,10 +6,11 @@
     http://rollout-0:9464/metrics  applied=41 newest=42 behind=1 lag=3.2s ranks=2 error=-
     http://rollout-1:9464/metrics  applied=42 newest=42 behind=0 lag=0.0s ranks=2 error=-
 
-A URL without a path gets ``/metrics``; one without a scheme gets ``http://``. A
-``user:password@`` in a URL is dropped before anything is looked up or sent (it would
-otherwise reach the host name lookup; the metrics endpoint takes no credentials) and never
-shown. A replica with
+A URL without a path gets ``/metrics``; one without a scheme gets ``http://``. The metrics
+endpoint takes no credentials: an argument with an ``@`` in it (``user:password@host``, in any
+spelling: ``http://user:pa/ss@host``) is refused before anything is looked up or sent, in one
+line that shows none of it (``vllm_deltasync._urls``: a secret never reaches a host name
+lookup); so is a bucket URL (``s3:...``) given by mistake. A replica with
 tensor parallelism reports one series per rank: the line shows its worst rank (lowest applied
 step, most steps behind) and the error of a rank whose last attempt failed
 (``error=IntegrityError@rank1``), and ``branch=lost@rank0`` while a rank's applied step left the
@@ -36,7 +37,13 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from vllm_deltasync._urls import redact_text, redact_url, strip_userinfo
+from vllm_deltasync._urls import (
+    KNOWN_SCHEMES,
+    credential_refusal,
+    redact_text,
+    redact_url,
+    shown_scheme,
+)
 from vllm_deltasync.errors import ConfigError
 
 _MAX_METRICS_BYTES = 16 << 20
@@ -80,11 +87,18 @@ def _show(value: int | None) -> str:
 
 
 def metrics_url(url: str) -> str:
-    """``host:9464`` -> ``http://host:9464/metrics``; a URL with a path is kept, a
-    ``user:password@`` dropped (it must never reach a host name lookup)."""
+    """``host:9464`` -> ``http://host:9464/metrics``; a URL with a path is kept. Refused
+    (ConfigError, nothing looked up): an ``@`` anywhere (a credential in some spelling: the
+    endpoint takes none), a known non-http scheme (``s3:/K:S@b``, ``s3://b``)."""
+    if "@" in url:
+        raise credential_refusal(url, "status: URL", "the metrics endpoint takes no credentials; "
+                                 "use host:port or http://host:port/metrics")
+    scheme = url.split(":", 1)[0].lower() if ":" in url else ""
+    if "://" not in url and scheme in KNOWN_SCHEMES and not _is_port(url.split(":", 1)[1]):
+        raise ConfigError(f"status: URL {shown_scheme(url)} is not an http(s) URL of a metrics "
+                          "endpoint; use host:port or http://host:port/metrics")
     if "://" not in url:
         url = "http://" + url
-    url = strip_userinfo(url)
     try:
         parts = urllib.parse.urlsplit(url)
         host, _ = parts.hostname, parts.port
@@ -96,6 +110,12 @@ def metrics_url(url: str) -> str:
     if parts.path in ("", "/"):
         parts = parts._replace(path="/metrics")
     return urllib.parse.urlunsplit(parts)
+
+
+def _is_port(text: str) -> bool:
+    """``9464`` or ``9464/metrics``: what follows ``host:`` in ``s3:9464`` (a host named s3)."""
+    port = text.split("/", 1)[0]
+    return port.isascii() and port.isdigit()
 
 
 def parse_status(url: str, text: str) -> ReplicaStatus:

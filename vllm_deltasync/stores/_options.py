@@ -11,6 +11,7 @@ import difflib
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from vllm_deltasync._urls import CREDENTIAL_SOURCES, credential_refusal, has_credentials
 from vllm_deltasync.errors import ConfigError
 from vllm_deltasync.stores._retry import RetryPolicy
 
@@ -44,6 +45,15 @@ def check_optional_str(owner: str, name: str, value: Any, *, secret: bool = Fals
     if value is not None and not isinstance(value, str):
         shown = f"<{type(value).__name__}>" if secret else repr(value)
         raise ConfigError(f"{owner}.{name}={shown}: use a string, or leave it unset")
+
+
+def check_endpoint(owner: str, name: str, value: Any) -> None:
+    """An endpoint URL carries no credential in any spelling (``_urls.has_credentials``: an
+    ``@`` after the scheme); one that may is refused without being shown (the SDKs log their
+    endpoint at debug level, and messages name it)."""
+    if isinstance(value, str) and has_credentials(value):
+        raise credential_refusal(value, f"{owner}.{name}", "an endpoint takes none; "
+                                 + CREDENTIAL_SOURCES)
 
 
 def check_rate(owner: str, min_bytes_per_s: Any, rate_window_s: Any, max_request_s: Any) -> None:
@@ -99,4 +109,4 @@ def with_prefix(where: str, exc: ConfigError) -> ConfigError:
     return type(exc)(f"{where}: {exc}")
 
 
-__all__ = ["check_bool", "check_int", "check_rate", "check_keys", "check_optional_str", "retry_policy", "with_prefix"]
+__all__ = ["check_bool", "check_endpoint", "check_int", "check_rate", "check_keys", "check_optional_str", "retry_policy", "with_prefix"]

@@ -122,6 +122,7 @@ class HfOptions:
     def __post_init__(self) -> None:
         owner = "HfOptions"
         _options.check_optional_str(owner, "endpoint", self.endpoint)
+        _options.check_endpoint(owner, "endpoint", self.endpoint)
         if self.endpoint is not None and not self.endpoint.startswith(("http://", "https://")):
             raise ConfigError(
                 f"{owner}.endpoint={self.endpoint!r}: use an http(s):// URL such as "
@@ -235,6 +236,7 @@ class HfStore(Store):
         env = os.environ if environ is None else environ
         self.bucket_id = bucket_id
         self.prefix = prefix.strip("/")
+        _options.check_endpoint("environment", "HF_ENDPOINT", env.get("HF_ENDPOINT"))
         self.endpoint = (self.options.endpoint or env.get("HF_ENDPOINT") or DEFAULT_ENDPOINT).rstrip("/")
         secret = resolve_token(self.options.token, env)
         self.__token = lambda: secret  # a closure: never shown by repr() or vars()

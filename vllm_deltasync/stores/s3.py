@@ -105,6 +105,7 @@ class S3Options:
         owner = "S3Options"
         for name in ("endpoint_url", "region_name", "profile"):
             _options.check_optional_str(owner, name, getattr(self, name))
+        _options.check_endpoint(owner, "endpoint_url", self.endpoint_url)
         for name in _CREDENTIALS:
             _options.check_optional_str(owner, name, getattr(self, name), secret=True)
         if self.addressing_style not in _ADDRESSING_STYLES:
