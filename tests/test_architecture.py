@@ -234,17 +234,127 @@ ALLOWED_IMPORTS: dict[str, set[str]] = {
     "format": {"", "stores"},
     "trainer": {"", "format", "stores"},
     "server": {"", "format", "stores"},
-    "cli": {"", "format", "stores", "trainer"},
+    "cli": {"", "format", "stores", "trainer", "server/targets.py"},
+}
+
+#: Inside ``server/`` (issue 34): module or folder -> what of ``server/`` it may import (its own
+#: folder always). The rank's code (worker) and the engine core's (engine) know nothing of each
+#: other nor of vLLM's glue; the glue (vllm) builds the worker's typed view and starts the
+#: engine's coordinator, and never reaches back into the extension; the extension is the edge
+#: that joins vLLM's worker to the rank.
+SERVER_IMPORTS: dict[str, set[str]] = {
+    "server/targets.py": set(),
+    "server/messages.py": set(),
+    "server/metrics.py": {"server/messages.py", "server/targets.py", "server/endpoint.py"},
+    "server/endpoint.py": {"server/metrics.py"},
+    "server/surface_check.py": {"server/vllm/surface.py"},
+    "server/api/": set(),
+    "server/worker/": {"server/messages.py", "server/targets.py", "server/metrics.py"},
+    "server/engine/": {"server/messages.py", "server/targets.py", "server/metrics.py",
+                       "server/endpoint.py"},
+    "server/vllm/": {"server/messages.py", "server/targets.py", "server/surface_check.py",
+                     "server/worker/", "server/engine/", "server/api/"},
+    "server/extension.py": {"server/targets.py", "server/messages.py", "server/surface_check.py",
+                            "server/vllm/", "server/worker/"},
 }
 
 
+def _server_rule(rel: str) -> tuple[str, set[str]] | None:
+    for key, allowed in SERVER_IMPORTS.items():
+        if rel == key or (key.endswith("/") and rel.startswith(key)):
+            return key, allowed
+    return None
+
+
+def test_the_server_folders_import_one_way() -> None:
+    wrong = []
+    for rel in sorted(package_modules(include_markers=True)):
+        if not rel.startswith("server/") or rel == "server/__init__.py":
+            continue
+        rule = _server_rule(rel)
+        assert rule is not None, f"{rel} has no rule in SERVER_IMPORTS"
+        key, allowed = rule
+        for target in sorted(_imports_of(PACKAGE / rel)):
+            if not target.startswith("server/") or target.startswith(key):
+                continue
+            if not any(target == a or (a.endswith("/") and target.startswith(a)) for a in allowed):
+                wrong.append(f"{rel} imports {target}")
+    assert not wrong, "imports against server/'s folder rules:\n" + "\n".join(wrong)
+
+
+def test_no_import_cycle_in_the_server() -> None:
+    """Imports anywhere in a module count (inside functions too)."""
+    graph = {rel: {t for t in _imports_of(PACKAGE / rel) if t.startswith("server/")
+                   and t.endswith(".py")}
+             for rel in package_modules() if rel.startswith("server/")}
+    cycles: list[str] = []
+
+    def visit(node: str, path: list[str]) -> None:
+        for nxt in graph.get(node, ()):
+            if nxt in path:
+                cycles.append(" -> ".join([*path[path.index(nxt):], nxt]))
+            elif len(path) < 40:
+                visit(nxt, [*path, nxt])
+
+    for start in graph:
+        visit(start, [start])
+    assert not cycles, "import cycles in server/:\n" + "\n".join(sorted(set(cycles))[:10])
+
+
+MAX_LINES = 500
+"""No module over ~500 lines (issue 34, item 6)."""
+
+
+def test_no_module_is_over_the_size_a_reader_can_hold() -> None:
+    big = {rel: n for rel in package_modules(include_markers=True)
+           if (n := len((PACKAGE / rel).read_text(encoding="utf-8").splitlines())) > MAX_LINES}
+    assert not big, f"modules over {MAX_LINES} lines (split them): {big}"
+
+
+def test_failpoints_are_read_in_one_place() -> None:
+    """Every failpoint goes through ``failpoints.armed`` (one variable, one format); no module
+    reads a ``DELTASYNC_TEST_*`` variable or names a module to import from the environment."""
+    offenders = []
+    for rel in sorted(package_modules(include_markers=True)):
+        text = (PACKAGE / rel).read_text(encoding="utf-8")
+        if rel != "failpoints.py" and ("DELTASYNC_TEST" in text or "DELTASYNC_FAILPOINTS" in text):
+            offenders.append(rel)
+        if "importlib.import_module(os.environ" in text or "ENGINE_HOOK" in text:
+            offenders.append(rel)
+    assert not offenders, f"test machinery outside failpoints.py: {offenders}"
+
+
+def _runtime_nodes(tree: ast.AST) -> list[ast.AST]:
+    """Every node of ``tree`` but those under ``if TYPE_CHECKING:`` (never run)."""
+    out: list[ast.AST] = []
+
+    def visit(node: ast.AST) -> None:
+        if isinstance(node, ast.If) and _is_type_checking(node.test):
+            for child in node.orelse:
+                visit(child)
+            return
+        out.append(node)
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(tree)
+    return out
+
+
 def _imports_of(path: Path) -> set[str]:
-    """Package modules ``path`` imports (anywhere in it), as paths relative to the package."""
+    """Package modules ``path`` imports (anywhere in it, but for type checking), as paths
+    relative to the package (``from vllm_deltasync.server import targets``: the module)."""
     found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in _runtime_nodes(ast.parse(path.read_text())):
         names: list[str] = []
         if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            base = node.module.split(".")
             names = [node.module]
+            if base[0] == "vllm_deltasync" and (PACKAGE / Path(*base[1:])).is_dir():
+                subs = [".".join([*base, a.name]) for a in node.names]
+                names = [n for n in subs if (PACKAGE / Path(*n.split(".")[1:])).is_dir()
+                         or (PACKAGE / Path(*n.split(".")[1:])).with_suffix(".py").is_file()]
+                names = names or [node.module]
         elif isinstance(node, ast.Import):
             names = [a.name for a in node.names]
         for name in names:

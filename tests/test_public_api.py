@@ -406,11 +406,18 @@ def test_the_drafters_two_sources_exclude_each_other() -> None:
     for bad in (" eagle.", ".", "eagle. "):
         with pytest.raises(ConfigError, match="drafter_prefix"):
             SyncConfig(url="file:///p", drafter_prefix=bad)
-    own = SyncConfig(url="file:///p", drafter_url="file:///d", loaded_step=3).for_drafter()
-    assert own.url == "file:///d" and own.loaded_step is None and not own.drafter_url
-    shared = SyncConfig(url="file:///p", drafter_prefix="eagle.", loaded_step=3,
-                        node_cache="on").for_drafter()
-    assert shared.url == "file:///p" and shared.drafter_prefix == "eagle."
-    assert shared.node_cache == "off" and shared.loaded_step is None
-    assert not SyncConfig(url="file:///p").follows_drafter
-    assert SyncConfig(url="file:///p", drafter_prefix="mtp.").follows_drafter
+    from vllm_deltasync.server.targets import DRAFTER, POLICY
+
+    own = DRAFTER.source(SyncConfig(url="file:///p", drafter_url="file:///d", loaded_step=3))
+    assert own is not None and own.prefix == "" and own.owns("model.w")
+    assert own.config.url == "file:///d" and own.config.loaded_step is None
+    assert not own.config.drafter_url
+    config = SyncConfig(url="file:///p", drafter_prefix="eagle.", loaded_step=3, node_cache="on")
+    shared = DRAFTER.source(config)
+    assert shared is not None and shared.config.url == "file:///p"
+    assert shared.config.node_cache == "off" and shared.config.loaded_step is None
+    assert shared.owns("eagle.fc.weight") and not shared.owns("model.w")
+    assert shared.checkpoint_name("eagle.fc.weight") == "fc.weight"
+    policy = POLICY.source(config)
+    assert policy.owns("model.w") and not policy.owns("eagle.fc.weight")
+    assert DRAFTER.source(SyncConfig(url="file:///p")) is None

@@ -248,19 +248,6 @@ class SyncConfig:
         return redact_url(self.url)
 
     @property
-    def follows_drafter(self) -> bool:
-        """A speculative drafter follows: from its own bucket, or from the policy's."""
-        return bool(self.drafter_url or self.drafter_prefix)
-
-    def for_drafter(self) -> SyncConfig:
-        """The settings of the drafter's rank state: the drafter's bucket (the policy's one
-        with ``drafter_prefix``, without the node cache: the policy's poller holds that),
-        nothing loaded."""
-        if self.drafter_prefix:
-            return dataclasses.replace(self, loaded_step=None, node_cache="off")
-        return dataclasses.replace(self, url=self.drafter_url, drafter_url="", loaded_step=None)
-
-    @property
     def fetch_jitter_bound_s(self) -> float:
         """The largest random delay before fetching a discovered step: ``fetch_jitter_s``, or
         ``min(poll_interval_s, 5)`` when it is None."""

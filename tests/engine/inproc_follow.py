@@ -25,7 +25,7 @@ SEED = 41
 def follow(tmp: Path) -> dict[str, Any]:
     from examples.toymodel import build_model
     from vllm_deltasync import DeltaPublisher
-    from vllm_deltasync.server.extension import sha256_hex
+    from vllm_deltasync.server.worker.apply import sha256_hex
 
     from .conftest import (
         Trainer,

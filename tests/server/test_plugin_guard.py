@@ -39,7 +39,7 @@ QUIET = ("", "_hand_endpoint_plugin")
 CHILD = textwrap.dedent('''
     import importlib, json, os, sys
     cases = json.loads(sys.argv[1])
-    from vllm_deltasync.server.vllm import engine, plugin, worker
+    from vllm_deltasync.server.vllm import engine, guard, plugin, worker
 
     def owner(module, cls):
         m = importlib.import_module(module)
@@ -72,7 +72,7 @@ CHILD = textwrap.dedent('''
     results = []
     for module, cls, attr, patch in cases:
         restore()
-        plugin.PLUGIN_REFUSALS.clear()
+        guard.PLUGIN_REFUSALS.clear()
         o = owner(module, cls)
         delattr(o, attr)
         inherited = attr == "__init__"  # object.__init__ is still there: patched as is
@@ -83,10 +83,10 @@ CHILD = textwrap.dedent('''
         except BaseException as exc:  # what vLLM would die of
             error = f"{type(exc).__name__}: {exc}"
         results.append({"case": [module, cls, attr, patch], "error": error,
-                        "inherited": inherited, "refusals": list(plugin.PLUGIN_REFUSALS),
+                        "inherited": inherited, "refusals": list(guard.PLUGIN_REFUSALS),
                         "installed": installed(), "surface": engine.surface_refusal()})
     restore()
-    plugin.PLUGIN_REFUSALS.clear()
+    guard.PLUGIN_REFUSALS.clear()
     os.environ["DELTASYNC_FAILPOINTS"] = "surface_break=" + sys.argv[2]
     broken = engine.surface_refusal()
     print("RESULTS " + json.dumps({"cases": results, "broken": broken}))

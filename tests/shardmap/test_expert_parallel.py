@@ -31,7 +31,7 @@ import torch
 
 from vllm_deltasync.server.vllm.loaders import LOADER
 from vllm_deltasync.server.worker.apply import apply_patches, prepare
-from vllm_deltasync.server.worker.rank import checkpoint_params
+from vllm_deltasync.server.worker.checkpoint import checkpoint_params
 from vllm_deltasync.server.worker.shardmap import ShardMap, translate_all
 
 from .conftest import TinyModel, TPWorld, random_checkpoint, single_process_world

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from vllm_deltasync.server.worker.shardmap import _classify_unplaced, _missing_stage_layer
+from vllm_deltasync.server.worker.placement import _missing_stage_layer, classify_unplaced
 
 
 class PPMissingLayer(torch.nn.Identity):
@@ -45,7 +45,7 @@ def test_unplaced_names_of_other_stages_are_ignored_others_still_fail() -> None:
                 "lm_head.weight": "load_weights wrote nothing for it",
                 "model.layers.1.bias_typo": "load_weights wrote nothing for it",
                 "model.layers.9.weight": "load_weights wrote nothing for it"}
-    ignored, covered, errors = _classify_unplaced(unplaced, {}, {}, model)
+    ignored, covered, errors = classify_unplaced(unplaced, {}, {}, model)
     assert set(ignored) == {"model.layers.3.mlp.down_proj.weight", "lm_head.weight"}
     assert "another pipeline stage" in ignored["lm_head.weight"]
     assert not covered

@@ -32,7 +32,7 @@ import urllib.parse
 import urllib.request
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
@@ -45,6 +45,7 @@ from vllm_deltasync._urls import (
     shown_scheme,
 )
 from vllm_deltasync.errors import ConfigError
+from vllm_deltasync.server.targets import TARGETS
 
 _MAX_METRICS_BYTES = 16 << 20
 EXIT_UNREACHABLE = 1
@@ -67,9 +68,15 @@ class ReplicaStatus:
     """``rank<N>`` of a rank whose applied step left the bucket's chain (resyncing), else None."""
     unreachable: str | None = None
     """Why the metrics could not be read; the other fields are then empty."""
-    drafter: str | None = None
-    """``applied:N,behind:M,error:<reason>@rank<N>`` of the speculative drafter (its worst rank),
-    None when the server has no drafter series."""
+    others: dict[str, str] = field(default_factory=dict)
+    """Each other followed target with series (the speculative drafter: ``drafter``), by its
+    ``model`` label: ``applied:N,behind:M,error:<reason>@rank<N>`` of its worst rank."""
+
+    def to_json(self) -> dict[str, Any]:
+        """The row, each other target of the table under its name (None without series)."""
+        out = {k: v for k, v in asdict(self).items() if k != "others"}
+        out.update({t.name: self.others.get(t.name) for t in TARGETS[1:]})
+        return out
 
     def line(self) -> str:
         if self.unreachable is not None:
@@ -79,7 +86,7 @@ class ReplicaStatus:
                 f"behind={_show(self.steps_behind)} lag={lag} ranks={self.ranks} "
                 f"error={self.error or '-'}"
                 + (f" branch=lost@{self.branch_lost}" if self.branch_lost else "")
-                + (f" drafter={self.drafter}" if self.drafter else ""))
+                + "".join(f" {name}={value}" for name, value in self.others.items()))
 
 
 def _show(value: int | None) -> str:
@@ -120,15 +127,16 @@ def _is_port(text: str) -> bool:
 
 def parse_status(url: str, text: str) -> ReplicaStatus:
     """Summarize one exposition (Prometheus text format) of a replica."""
-    per_model: dict[str, dict[str, dict[str, float]]] = {"policy": {}, "drafter": {}}
-    failures: dict[str, dict[str, tuple[float, str]]] = {"policy": {}, "drafter": {}}
+    primary = TARGETS[0].name
+    per_model: dict[str, dict[str, dict[str, float]]] = {t.name: {} for t in TARGETS}
+    failures: dict[str, dict[str, tuple[float, str]]] = {t.name: {} for t in TARGETS}
     try:
         samples = [s for family in text_string_to_metric_families(text) for s in family.samples]
     except Exception:  # noqa: BLE001 - HTML, garbage: whatever the parser chokes on
         return ReplicaStatus(url, unreachable="not a Prometheus metrics endpoint (unparsable answer)")
     for s in samples:
         rank = s.labels.get("rank")
-        model = s.labels.get("model", "policy")  # servers before the drafter had no model label
+        model = s.labels.get("model", primary)  # servers before the drafter had no model label
         if rank is None or not s.name.startswith("deltasync_") or model not in per_model:
             continue
         if s.name == "deltasync_last_failure_timestamp_seconds":
@@ -136,13 +144,14 @@ def parse_status(url: str, text: str) -> ReplicaStatus:
                 failures[model][rank] = (s.value, s.labels.get("reason", "Error"))
         elif set(s.labels) <= {"rank", "model"}:
             per_model[model].setdefault(rank, {})[s.name[len("deltasync_"):]] = s.value
-    if not per_model["policy"]:
+    if not per_model[primary]:
         return ReplicaStatus(url, unreachable="no deltasync metrics at this URL")
-    row = _summarize(url, per_model["policy"], failures["policy"])
-    if per_model["drafter"]:
-        d = _summarize(url, per_model["drafter"], failures["drafter"])
-        row = replace(row, drafter=f"applied:{_show(d.applied_step)},"
-                                   f"behind:{_show(d.steps_behind)},error:{d.error or '-'}")
+    row = _summarize(url, per_model[primary], failures[primary])
+    for target in TARGETS[1:]:
+        if per_model[target.name]:
+            d = _summarize(url, per_model[target.name], failures[target.name])
+            row.others[target.name] = (f"applied:{_show(d.applied_step)},"
+                                       f"behind:{_show(d.steps_behind)},error:{d.error or '-'}")
     return row
 
 
@@ -225,7 +234,7 @@ def run(args: argparse.Namespace) -> int:
     """Print one line per server; the exit status says whether all are fine."""
     rows = fetch_all(args.urls, args.timeout)
     if args.json:
-        print(json.dumps([asdict(r) for r in rows], indent=2))
+        print(json.dumps([r.to_json() for r in rows], indent=2))
     else:
         for row in rows:
             print(row.line())

@@ -35,7 +35,7 @@ from vllm_deltasync.config import SyncConfig
 from vllm_deltasync.errors import ApplyError, DeltaSyncError
 from vllm_deltasync.server import surface_check
 from vllm_deltasync.server.targets import POLICY
-from vllm_deltasync.server.vllm import plugin, surface
+from vllm_deltasync.server.vllm import guard, plugin, surface
 from vllm_deltasync.server.vllm import worker as vllm_worker
 from vllm_deltasync.server.worker.checkpoint import digest_names, safetensors_files
 from vllm_deltasync.server.worker.rank import Rank, refused
@@ -45,12 +45,12 @@ logger = logging.getLogger(__name__)
 
 PRIMARY = POLICY.name
 
-_EXCLUDED = plugin.allowlist_excludes(os.environ)
+_EXCLUDED = guard.allowlist_excludes(os.environ)
 if _EXCLUDED is not None:
     logger.warning("VLLM_PLUGINS=%r does not name %r: vLLM does not run vllm-deltasync's plugin in "
                    "this server, so the extension loads nothing more and follows no bucket (add "
-                   "%r to VLLM_PLUGINS to follow)", _EXCLUDED, plugin.PLUGIN_NAME,
-                   plugin.PLUGIN_NAME)
+                   "%r to VLLM_PLUGINS to follow)", _EXCLUDED, guard.PLUGIN_NAME,
+                   guard.PLUGIN_NAME)
 
 
 class DeltaSyncExtension:
@@ -82,8 +82,8 @@ class DeltaSyncExtension:
         view = vllm_worker.view_of(self)
         vllm_worker.pipeline_buffers(self)  # serving needs them, following or not
         try:
-            if plugin.PLUGIN_REFUSALS:
-                raise DeltaSyncError(" ".join(plugin.PLUGIN_REFUSALS))
+            if guard.PLUGIN_REFUSALS:
+                raise DeltaSyncError(" ".join(guard.PLUGIN_REFUSALS))
             config = SyncConfig.from_sources(view.additional_config, os.environ)
             rank = Rank.build(view, config, missing=_missing)
         except DeltaSyncError as exc:

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from vllm_deltasync.config import SyncConfig
-from vllm_deltasync.server.vllm.plugin import extension_configured
+from vllm_deltasync.server.vllm.guard import extension_configured
 
 
 def patch() -> None:

@@ -77,7 +77,7 @@ def on_engine_core(engine: Any) -> None:
     """After ``EngineCore.__init__``: hook this engine core if it names the extension."""
     from vllm.v1.engine.core import EngineCoreProc
 
-    from vllm_deltasync.server.vllm.plugin import extension_configured
+    from vllm_deltasync.server.vllm.guard import extension_configured
 
     if getattr(engine, "_deltasync_hooked", False) or not extension_configured(
             getattr(engine, "vllm_config", None)):
@@ -294,7 +294,7 @@ def _hook_weight_transfer(engine: Any) -> None:
 def surface_refusal() -> str | None:
     """Why this process's vLLM cannot be followed on (a patch the plugin left out, or a
     symbol of :data:`.surface.SURFACE` missing or changed), one line; None when it can."""
-    from vllm_deltasync.server.vllm.plugin import PLUGIN_REFUSALS
+    from vllm_deltasync.server.vllm.guard import PLUGIN_REFUSALS
 
     lines = list(PLUGIN_REFUSALS)
     found = surface_check.cached_problems()

@@ -137,7 +137,7 @@ class DeltaSyncEndpoints:
 
     def attach_router(self, app: Any) -> None:
         """Add the middleware when the server's arguments name the extension; else nothing."""
-        from vllm_deltasync.server.vllm.plugin import extension_named
+        from vllm_deltasync.server.vllm.guard import extension_named
 
         args = getattr(getattr(app, "state", None), "args", None)
         if not extension_named(getattr(args, "worker_extension_cls", "") or ""):

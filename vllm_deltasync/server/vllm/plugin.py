@@ -41,23 +41,14 @@ with that line as the reason (``/synced`` 503, ``deltasync_refused``, the worker
 from __future__ import annotations
 
 import functools
-import importlib
 import logging
-from collections.abc import Mapping
 from typing import Any
 
+from vllm_deltasync.server.vllm.guard import PLUGIN_REFUSALS
 from vllm_deltasync.server.vllm.surface import vllm_version
 
 logger = logging.getLogger(__name__)
 
-EXTENSION_NAMES = ("DeltaSyncExtension",)
-EXTENSION_MODULE = "vllm_deltasync.server.extension"
-
-PLUGIN_REFUSALS: list[str] = []
-"""Why a patch of this process's vLLM was left out by :func:`register_plugin` (one line each)."""
-
-PLUGIN_NAME = "deltasync"
-"""Our entry point's name in ``vllm.general_plugins`` (what ``VLLM_PLUGINS`` must name)."""
 
 _PATCHES: tuple[tuple[str, str], ...] = (
     ("_patch_engine_core", "vllm.v1.engine.core.EngineCore.__init__, "
@@ -217,38 +208,4 @@ def _hand_endpoint_plugin() -> None:
     plugins.load_endpoint_plugins = load_endpoint_plugins
 
 
-def extension_configured(vllm_config: Any) -> bool:
-    """True when ``--worker-extension-cls`` names DeltaSyncExtension or a subclass of it."""
-    return extension_named(
-        getattr(getattr(vllm_config, "parallel_config", None), "worker_extension_cls", "") or "")
-
-
-def extension_named(qualname: str) -> bool:
-    """True when ``qualname`` (``--worker-extension-cls``) names DeltaSyncExtension or a
-    subclass of it (found by name in its method resolution order: nothing of ours is
-    imported)."""
-    if not qualname:
-        return False
-    module, _, attr = qualname.rpartition(".")
-    if module.split(".")[0] == "vllm_deltasync" and attr in EXTENSION_NAMES:
-        return True
-    try:
-        obj = getattr(importlib.import_module(module), attr)
-    except Exception:  # noqa: BLE001 - a bad name is vLLM's error to report
-        return False
-    return isinstance(obj, type) and any(
-        c.__name__ in EXTENSION_NAMES and c.__module__ == EXTENSION_MODULE for c in obj.__mro__)
-
-
-def allowlist_excludes(environ: Mapping[str, str]) -> str | None:
-    """The ``VLLM_PLUGINS`` allowlist when it is set and does not name :data:`PLUGIN_NAME`
-    (vLLM then never runs this plugin: nothing follows), else None."""
-    raw = environ.get("VLLM_PLUGINS")
-    if raw is None:
-        return None
-    names = [n.strip() for n in raw.split(",")]
-    return None if PLUGIN_NAME in names else raw
-
-
-__all__ = ["PATCHES", "PLUGIN_NAME", "PLUGIN_REFUSALS", "allowlist_excludes",
-           "extension_configured", "extension_named", "register_plugin"]
+__all__ = ["PATCHES", "register_plugin"]

@@ -116,7 +116,7 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
         return rank == world - 1
 
     def _server_config(self) -> SyncConfig:
-        from vllm_deltasync.server.vllm.plugin import extension_configured
+        from vllm_deltasync.server.vllm.guard import extension_configured
 
         if not extension_configured(self.vllm_config):
             raise ValueError(
