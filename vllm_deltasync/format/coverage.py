@@ -16,6 +16,9 @@ tensor hold ascending, disjoint index ranges (:class:`SparseOrder`).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import NamedTuple
+
 import numpy as np
 
 from vllm_deltasync.errors import FormatError
@@ -24,13 +27,29 @@ from vllm_deltasync.format.codecs import get_codec
 from vllm_deltasync.format.manifest import MAX_REGION_ROWS, Manifest, TensorEntry, fingerprint
 
 
-def check_manifest(m: Manifest) -> None:
-    """:class:`FormatError` naming the step and tensor when ``m`` breaks the coverage rule."""
+class TableRow(NamedTuple):
+    """One tensor of a step as the step-wide rules see it (no chunks)."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    encoding: str
+    changed: int
+    numel: int
+
+
+def check_manifest(m: Manifest, table: Sequence[TableRow] | None = None) -> None:
+    """:class:`FormatError` naming the step and tensor when ``m`` breaks the coverage rule.
+
+    ``table``: every tensor of the step when ``m.tensors`` holds only some of them (a reader
+    that selects tensors, format/_selected.py): the step-wide rules run on ``table``, the
+    per-tensor ones on ``m.tensors``."""
     where = f"step {m.step} ({m.kind})"
-    if m.totals.changed != sum(t.changed for t in m.tensors):
+    rows: Sequence[TableRow | TensorEntry] = m.tensors if table is None else table
+    if m.totals.changed != sum(t.changed for t in rows):
         raise FormatError(f"{where}: totals.changed {m.totals.changed} is not the sum of its tensors' changed")
     if m.kind == "anchor":
-        _check_anchor_set(m, where)
+        _check_anchor_set(m, rows, where)
     for t in m.tensors:
         if m.schema_version == 1:
             _check_v1(m, t, where)
@@ -38,15 +57,15 @@ def check_manifest(m: Manifest) -> None:
             _check_v2(m, t, where)
 
 
-def _check_anchor_set(m: Manifest, where: str) -> None:
-    if len(m.tensors) != m.totals.tensors or sum(t.numel for t in m.tensors) != m.totals.elements:
-        raise FormatError(f"{where}: lists {len(m.tensors)} tensors of "
-                          f"{sum(t.numel for t in m.tensors)} elements, its totals say "
+def _check_anchor_set(m: Manifest, rows: Sequence[TableRow | TensorEntry], where: str) -> None:
+    if len(rows) != m.totals.tensors or sum(t.numel for t in rows) != m.totals.elements:
+        raise FormatError(f"{where}: lists {len(rows)} tensors of "
+                          f"{sum(t.numel for t in rows)} elements, its totals say "
                           f"{m.totals.tensors} of {m.totals.elements}: a tensor is missing")
-    if fingerprint((t.name, t.shape, t.dtype) for t in m.tensors) != m.fingerprint:
+    if fingerprint((t.name, t.shape, t.dtype) for t in rows) != m.fingerprint:
         raise FormatError(f"{where}: its tensors are not the parameter set of its fingerprint "
                           "(a tensor is missing, extra or of another shape)")
-    for t in m.tensors:
+    for t in rows:
         if not get_codec(t.encoding).dense:
             raise FormatError(f"{where}: tensor {t.name!r} is {t.encoding}; anchors are dense")
 
@@ -125,4 +144,4 @@ class SparseOrder:
                                       f"element {first} (a delta touches each element at most once)")
 
 
-__all__ = ["SparseOrder", "check_manifest"]
+__all__ = ["SparseOrder", "TableRow", "check_manifest"]

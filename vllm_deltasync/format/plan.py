@@ -151,7 +151,8 @@ def chain_ranges(pairs: Pairs) -> tuple[tuple[int, int], ...]:
 def fetch_plan(m: Manifest, select: Callable[[str], bool] | None) -> tuple[
         dict[int, Pairs], dict[int, bool], dict[int, int]]:
     """What :meth:`~.reader.BucketReader.iter_patches` reads: the selected (tensor, chunk)
-    pairs per data file, whether each file is read whole (v1, or all its chunks wanted) and
+    pairs per data file, whether each file is read whole (v1, or all its chunks wanted; never
+    a file without an index: a manifest read for some tensors only, format/_selected.py) and
     the bytes read. ``select`` is asked once per tensor."""
     by_file: dict[int, Pairs] = {}
     chunks_in: dict[int, int] = {}
@@ -161,7 +162,8 @@ def fetch_plan(m: Manifest, select: Callable[[str], bool] | None) -> tuple[
             chunks_in[chunk.file] = chunks_in.get(chunk.file, 0) + 1
             if wanted:
                 by_file.setdefault(chunk.file, []).append((entry, chunk))
-    whole = {i: m.schema_version == 1 or len(pairs) == chunks_in[i] for i, pairs in by_file.items()}
+    whole = {i: m.schema_version == 1 or (m.files[i].index is not None and len(pairs) == chunks_in[i])
+             for i, pairs in by_file.items()}
     cost = {i: m.files[i].size if whole[i] else sum(n for _, n in chain_ranges(pairs))
             for i, pairs in by_file.items()}
     return by_file, whole, cost

@@ -25,9 +25,10 @@ from safetensors.torch import load as load_safetensors
 
 from vllm_deltasync.errors import ChainError, FormatError, IntegrityError, NotFoundError
 from vllm_deltasync.format._listing import newest_readable
+from vllm_deltasync.format._selected import read_manifest
 from vllm_deltasync.format.codec import TensorPatch
 from vllm_deltasync.format.codecs import decode_chunk
-from vllm_deltasync.format.coverage import SparseOrder, check_manifest
+from vllm_deltasync.format.coverage import SparseOrder
 from vllm_deltasync.format.layout import MANIFEST_DIR, manifest_path, parse_manifest_path
 from vllm_deltasync.format.manifest import (
     MAX_MANIFEST_BYTES,
@@ -100,6 +101,10 @@ class BucketReader:
         """A manifest refused as malformed is refused again from memory, without a download,
         for this many seconds (0: read it again every time). The poller sets it."""
         self._failed: dict[int, tuple[float, str, type[FormatError]]] = {}
+        self.select: Callable[[str], bool] | None = None
+        """The tensors this reader's user reads (a rank's shard map), None: all. Manifests
+        are then parsed and checked for these tensors only, besides the step-wide rules
+        (format/_selected.py), and list only these; the poller sets it."""
 
     @classmethod
     def open(cls, url: str, *, store_options: Mapping[str, Any] | None = None, **kw: Any) -> BucketReader:
@@ -157,13 +162,10 @@ class BucketReader:
         path = manifest_path(step)
         source = f"{self.store.url}/{path}"
         try:
-            m = Manifest.from_json(await self.store.read(path, max_bytes=MAX_MANIFEST_BYTES), source=source)
+            data = await self.store.read(path, max_bytes=MAX_MANIFEST_BYTES)
+            m = read_manifest(data, source=source, select=self.select)
             if m.step != step:
                 raise FormatError(f"{source}: holds step {m.step}, its name says {step}")
-            try:
-                check_manifest(m)
-            except FormatError as exc:
-                raise FormatError(f"{source}: {exc}") from exc
         except FormatError as exc:
             if self.remember_failures_s > 0:
                 self._failed[step] = (time.monotonic() + self.remember_failures_s, str(exc),
