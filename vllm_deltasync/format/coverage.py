@@ -92,34 +92,43 @@ def _check_v2(m: Manifest, t: TensorEntry, where: str) -> None:
     if rows_listed > MAX_REGION_ROWS or rows_listed > max(t.numel, 1):
         raise FormatError(f"{where}: tensor {t.name!r}: its chunks list {rows_listed} region rows, "
                           f"more than its {t.numel} elements allow (or {MAX_REGION_ROWS})")
-    starts, stops = [], []
-    for chunk in t.chunks:
-        region = chunk.region
-        assert region is not None  # the v2 parser requires one
-        if dense and chunk.count != region.size:
-            raise FormatError(f"{where}: tensor {t.name!r}: a dense chunk of {chunk.count} "
-                              f"elements in a region of {region.size}")
-        rows = np.arange(region.rows, dtype=np.int64) * region.row_stride + region.offset
-        if region.row_len:
-            starts.append(rows)
-            stops.append(rows + region.row_len)
-    if starts:
-        lo, hi = np.concatenate(starts), np.concatenate(stops)
-        order = np.argsort(lo, kind="stable")
-        lo, hi = lo[order], hi[order]
-        clash = np.flatnonzero(lo[1:] < hi[:-1])
-        if clash.size:
-            raise FormatError(f"{where}: tensor {t.name!r}: two chunks cover element "
-                              f"{int(lo[clash[0] + 1])} (overlapping chunks, or one listed twice)")
-        covered = int((hi - lo).sum())
-    else:
-        covered = 0
+    covered = _covered(t, dense, where)
     if m.kind == "anchor" and covered != t.numel:
         raise FormatError(f"{where}: tensor {t.name!r}: chunks cover {covered} of its {t.numel} elements")
     count = sum(c.count for c in t.chunks)
     if m.kind == "delta" and count != t.changed:
         raise FormatError(f"{where}: tensor {t.name!r}: chunks carry {count} elements, "
                           f"its changed says {t.changed}")
+
+
+def _covered(t: TensorEntry, dense: bool, where: str) -> int:
+    """Elements the regions of ``t``'s chunks cover; FormatError when two overlap."""
+    for chunk in t.chunks:
+        assert chunk.region is not None  # the v2 parser requires one
+        if dense and chunk.count != chunk.region.size:
+            raise FormatError(f"{where}: tensor {t.name!r}: a dense chunk of {chunk.count} "
+                              f"elements in a region of {chunk.region.size}")
+    only = t.chunks[0].region if len(t.chunks) == 1 else None
+    if only is not None:  # the rows of one region never overlap (row_len <= row_stride)
+        return only.size
+    starts, stops = [], []
+    for chunk in t.chunks:
+        region = chunk.region
+        assert region is not None
+        rows = np.arange(region.rows, dtype=np.int64) * region.row_stride + region.offset
+        if region.row_len:
+            starts.append(rows)
+            stops.append(rows + region.row_len)
+    if not starts:
+        return 0
+    lo, hi = np.concatenate(starts), np.concatenate(stops)
+    order = np.argsort(lo, kind="stable")
+    lo, hi = lo[order], hi[order]
+    clash = np.flatnonzero(lo[1:] < hi[:-1])
+    if clash.size:
+        raise FormatError(f"{where}: tensor {t.name!r}: two chunks cover element "
+                          f"{int(lo[clash[0] + 1])} (overlapping chunks, or one listed twice)")
+    return int((hi - lo).sum())
 
 
 class SparseOrder:
