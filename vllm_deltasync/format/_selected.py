@@ -98,9 +98,10 @@ def _read(data: bytes, source: str, select: Callable[[str], bool] | None) -> Man
         m = Manifest.from_json(data, source=source)
         _check(m, None, source)
         return m if select is None else _view(m, tuple(t for t in m.tensors if select(t.name)))
-    doc, text, spans, rows = table
-    picked = [i for i, row in enumerate(rows) if select(row.name)]
-    tensors = json.loads(b"[" + b",".join(text[spans[i][0]: spans[i][1] + 1] for i in picked) + b"]")
+    doc, text, (starts, ends), rows = table
+    picked = np.array([i for i, row in enumerate(rows) if select(row.name)], dtype=np.int64)
+    tensors = json.loads(b"[" + b",".join(text[s: e + 1] for s, e in zip(
+        starts[picked].tolist(), ends[picked].tolist(), strict=True)) + b"]")
     reduced = {k: v for k, v in doc.items() if k != TABLE_KEY}
     reduced["schema_version"] = 2  # version 3 is version 2 with the table deflated (§4.1)
     reduced["tensors"] = tensors
@@ -124,7 +125,7 @@ def _check(m: Manifest, table: Sequence[TableRow] | None, source: str) -> None:
         raise FormatError(f"{source}: {exc}") from exc
 
 
-_Table = tuple[dict[str, Any], bytes, list[tuple[int, int]], list[TableRow]]
+_Table = tuple[dict[str, Any], bytes, tuple[np.ndarray, np.ndarray], list[TableRow]]
 
 
 def _table(data: bytes) -> _Table | None:
@@ -148,7 +149,7 @@ def _table(data: bytes) -> _Table | None:
         return None
     if rows is None:
         return None
-    return doc, text, list(zip(spans[0].tolist(), spans[1].tolist(), strict=True)), rows
+    return doc, text, spans, rows
 
 
 def _no_constant(name: str) -> Any:
@@ -218,9 +219,8 @@ def _escaped(a: np.ndarray, pos: np.ndarray) -> np.ndarray:
     """For each structural byte at ``pos``: is it preceded by an odd run of backslashes?"""
     slashes = np.flatnonzero(a == _BACKSLASH)
     out = np.zeros(pos.size, dtype=bool)
-    after = np.flatnonzero(np.isin(pos - 1, slashes))
+    after = np.flatnonzero(a[np.maximum(pos - 1, 0)] == _BACKSLASH)
     if after.size:
-        run_start = slashes.copy()
         breaks = np.flatnonzero(np.diff(slashes) != 1) + 1
         first = np.zeros(slashes.size, np.int64)
         first[breaks] = breaks
