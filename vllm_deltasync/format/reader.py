@@ -102,9 +102,10 @@ class BucketReader:
         for this many seconds (0: read it again every time). The poller sets it."""
         self._failed: dict[int, tuple[float, str, type[FormatError]]] = {}
         self.select: Callable[[str], bool] | None = None
-        """The tensors this reader's user reads (a rank's shard map), None: all. Manifests
-        are then parsed and checked for these tensors only, besides the step-wide rules
-        (format/_selected.py), and list only these; the poller sets it."""
+        """The tensors this reader's user reads (the ``select`` it gives ``iter_patches``, a
+        rank's shard map), None: all. Manifests are then parsed and checked for these tensors
+        only, besides the step-wide rules, and list only these (format/_selected.py). Set it
+        before the first read: cached manifests are not read again."""
 
     @classmethod
     def open(cls, url: str, *, store_options: Mapping[str, Any] | None = None, **kw: Any) -> BucketReader:
