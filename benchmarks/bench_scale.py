@@ -21,10 +21,14 @@ fetched, publish seconds, download seconds, verify + decode seconds with 1 and 2
 ``TensorPatch.apply_to`` scatter into a bf16 copy of the base, one thread), bit-exactness
 against the trainer's new tensors (asserted), and peak staging memory (growth of VmHWM over
 VmRSS after resetting VmHWM through ``/proc/self/clear_refs``, over the real reader path that
-holds every decoded patch of the step). Then extrapolated, and labelled so: per-element rates
-measured here (per core) are scaled to 58 / 60 MoE layers (DeepSeek-V3, a Kimi-K2-shaped 1T),
-to a stated trainer (1T on 256 GPUs, expert parallel x FSDP, the sharded publisher) and to a
-rollout fleet (EP=32 replicas of 8-GPU nodes); every assumed rate is a named constant below.
+holds every decoded patch of the step). The codec's encode is timed at 1 and 2 threads
+(bench_codec's method) on the step's changes, sha256 at one thread.
+
+Then the deployment model (benchmarks/scale_model.py): publish -> applied for DeepSeek-V3 and a
+1T of Kimi-K2's shape, from the rates measured here per changed element, the plan of one EP
+rank measured on the full-size manifests (benchmarks/manifest_1t.py: every tensor, chunk tables
+as written, one core, median of 5), and named assumptions, each halved and doubled in a
+sensitivity table.
 
 Memory: tensors are generated one at a time; the reader's base copy is rebuilt per tensor from
 the new tensor and the known ground-truth differences, so peak RSS stays ~3 copies of the share.
@@ -51,6 +55,9 @@ import aiohttp
 import numpy as np
 import torch
 
+from benchmarks import manifest_1t
+from benchmarks.scale_model import Measured
+from benchmarks.scale_model import render as render_model
 from vllm_deltasync.errors import FormatError
 from vllm_deltasync.format.codec import TensorPatch
 from vllm_deltasync.format.codecs import get_codec
@@ -66,38 +73,6 @@ DENSITY = 0.01
 # |d| distribution of the bf16 bit-pattern differences (measured RL steps: mostly 1-2 ulps)
 MAGNITUDES = [1, 2, 3, 4, *range(5, 17)]
 PROBS = [0.70, 0.20, 0.04, 0.04, *([0.02 / 12] * 12)]
-
-# extrapolation assumptions
-MOE_LAYERS = {"DeepSeek-V3 (671B)": (58, 256), "1T (Kimi-K2 shape)": (60, 384)}
-"""name -> (MoE layers, routed experts); hidden 7168, expert intermediate 2048, 1 shared."""
-GPUS_PER_NODE = 8
-REPLICAS = 32
-LINK_GBPS = 100.0
-"""Assumed per-node front-end (storage/Internet) link, Gb/s, shared by the node's 8 ranks."""
-DECODE_CORES = 16
-"""Assumed host cores per node given to verify + decode (2 per GPU)."""
-
-# the trainer's layout (assumed): 1T trained on 256 GPUs, 32 nodes of 8
-TRAINER_GPUS = 256
-"""Expert parallel across nodes x FSDP within: every parameter element is held, for the
-sharded publisher, by exactly one rank (a replicated copy publishes from one rank only)."""
-TRAINER_ENCODE_CORES = 8
-"""Host cores per trainer GPU given to the publisher's encode pool (trainer hosts have
-~100-200 cores per 8 GPUs)."""
-DEVICE_DIFF_GBPS = 1000.0
-"""Assumed effective device-memory rate of the diff on the GPU (compare + gather + baseline
-update, 4 bytes read per element: new and baseline bf16); H100/H200 HBM peaks at 3.3-4.8 TB/s.
-Not measured: no GPU here (benchmarks/gpu.py measures it where one is)."""
-PCIE_GBPS = 25.0
-"""Assumed device-to-host (trainer: changed elements) and host-to-device (rollout: decoded
-patches) rate per GPU, GB/s (PCIe 5 x16 peaks at ~55)."""
-REQUEST_S = 0.1
-"""Assumed latency of one bucket request (HEAD/GET/PUT of a small object)."""
-COMMIT_REQUESTS = 4
-"""Rounds of requests on the commit path besides the part records: the listing that finds
-them, the commit's existence check, the manifest PUT, its read-back."""
-PART_READS = 32
-"""Part records the committing rank reads at once (trainer/sharded.py PART_READS)."""
 
 _SERVER = r"""
 import importlib.util, json, sys
@@ -308,6 +283,48 @@ def apply_and_check(tensors: dict[str, torch.Tensor], truth: dict[str, tuple[np.
     return seconds, changed
 
 
+# -- encode at 1 and 2 threads -------------------------------------------------------------------
+
+
+def measure_encode(codec: str, tensors: dict[str, torch.Tensor],
+                   truth: dict[str, tuple[np.ndarray, np.ndarray]]) -> dict[str, float]:
+    """The codec's encode of this step's changes, tensors spread over a pool of 1 or 2 threads
+    (bench_codec's method), best of 3 each, interleaved; sha256's rate at one thread."""
+    work = []
+    for name, (idx, d) in truth.items():
+        positions = torch.from_numpy(idx)
+        new = tensors[name].view(-1)[positions]
+        old = (new.view(torch.int16) - torch.from_numpy(d)).view(torch.bfloat16)
+        work.append((positions, new, old))
+    enc = get_codec(codec)
+    walls = {1: float("inf"), 2: float("inf")}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            for _ in range(3):
+                for n in (1, 2):
+                    t0 = time.perf_counter()
+                    if n == 1:
+                        for w in work:
+                            enc.encode(*w)
+                    else:
+                        list(pool.map(lambda w: enc.encode(*w), work))
+                    walls[n] = min(walls[n], time.perf_counter() - t0)
+    finally:
+        torch.set_num_threads(threads)
+    block = bytes(64 << 20)
+    sha = min(_timed(lambda: hashlib.sha256(block).digest()) for _ in range(3))
+    return {"changed": float(sum(w[0].numel() for w in work)), "wall1_s": walls[1],
+            "wall2_s": walls[2], "sha_gbps": len(block) / sha / 1e9}
+
+
+def _timed(fn: Any) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
 # -- one codec ---------------------------------------------------------------------------------
 
 
@@ -326,6 +343,7 @@ def measure_codec(server: Server, codec: str, tensors: dict[str, torch.Tensor], 
         anchor_bytes = pub.stats.bytes_written
         for k in range(1, deltas + 1):
             truth = step_tensors(tensors, seed + k)
+            encoded = measure_encode(codec, tensors, truth) if k == 1 else None
             gc.collect()
             t0 = time.perf_counter()
             pub.publish(k, tensors)
@@ -364,7 +382,6 @@ def measure_codec(server: Server, codec: str, tensors: dict[str, torch.Tensor], 
             del patches, files, truth
             gc.collect()
             rows.append({
-                "diff_threads": pub._differ.threads, "encode_threads": _encode_threads(pub),
                 "codec": codec, "step": k, "anchor_s": anchor_s, "anchor_bytes": anchor_bytes,
                 "changed": changed, "elements": sum(t.numel() for t in tensors.values()),
                 "publish_s": publish_s, "diff_s": diff_s, "upload_s": upload_s,
@@ -373,18 +390,10 @@ def measure_codec(server: Server, codec: str, tensors: dict[str, torch.Tensor], 
                 "real_s": real["seconds"], "download_s": download_s,
                 "download_requests": fetched["counts"], "download_bytes": fetched["cdn_bytes"],
                 "decode1_s": decoded[1], "decode2_s": decoded[2], "apply_s": apply_s,
-                "staged_peak": staged_peak, "staged_values": staged_values,
+                "staged_peak": staged_peak, "staged_values": staged_values, "encode": encoded,
             })
     server.command(f"drop {bucket}")
     return rows
-
-
-def _encode_threads(pub: DeltaPublisher) -> int:
-    """Threads the publisher encodes a step's chunks on (1 before the writer had a pool)."""
-    chosen = getattr(pub, "encode_threads", None)
-    if chosen is None:
-        return 1
-    return int(chosen) or min(8, len(os.sched_getaffinity(0)))
 
 
 LAYOUT_SHRINK = 32
@@ -476,8 +485,11 @@ def measure(quick: bool) -> dict[str, Any]:
         layout = measure_layout(server, layers, codecs[0])
     finally:
         server.close()
+    plans = {name: manifest_1t.plan_inputs(name, runs=1 if quick else manifest_1t.RUNS,
+                                           full=0 if quick or name != "1T (Kimi-K2 shape)" else 1)
+             for name in manifest_1t.MODELS}
     return {"layers": layers, "experts": experts, "share_bytes": share, "tensors": n_tensors,
-            "layout": layout,
+            "layout": layout, "plans": plans, "encode": rows[0]["encode"],
             "rows": rows, "gen_s": gen_s, "peak_rss": max(_PEAK[0], _status("VmHWM")), "load": os.getloadavg()[0], "codecs": codecs}
 
 
@@ -535,7 +547,7 @@ def render(r: dict[str, Any]) -> str:
         "",
         layout_table(r),
         "",
-        extrapolate(r),
+        model_section(r),
     ]
     return "\n".join(lines)
 
@@ -562,125 +574,20 @@ def layout_table(r: dict[str, Any]) -> str:
     ])
 
 
-def extrapolate(r: dict[str, Any]) -> str:
-    layers, experts, lo = r["layers"], r["experts"], r["layout"]
-    units = layers * (experts + 1)
-    rows = [x for x in r["rows"] if x["codec"] == r["codecs"][0]]
-    x = rows[-1]  # the default codec; times: best of its delta steps (the cores are shared)
-    per_unit = {k: min(y[k] for y in rows) / units for k in ("fetched", "decode1_s", "apply_s")}
-    # measured per-core rates, conservative: a pool's seconds times its threads (no credit for
-    # scaling that a shared 2-core machine does not show)
-    diff_ns = min(y["diff_s"] * y["diff_threads"] / y["elements"] for y in r["rows"]) * 1e9
-    encode_ns = min(y["upload_s"] * y["encode_threads"] / y["changed"] for y in rows) * 1e9
-    b_per_el = x["step_bytes"] / x["changed"]
-    manifest_req = 2  # resolve + CDN GET, whatever its size
-    data_req_per_layer = max(0, sum(lo["requests"].values()) - manifest_req) / lo["layers"]
-    manifest_per_tensor = lo["manifest_bytes"] / lo["tensors"]
-    plan_per_tensor = lo["plan_s"] / lo["tensors"]
-    fleet_nodes = REPLICAS * EP // GPUS_PER_NODE
-    trainer_nodes = TRAINER_GPUS // GPUS_PER_NODE
-    link = LINK_GBPS * 1e9 / 8
-    lines = [
-        f"#### Extrapolation (not measured: per-element rates measured above, scaled to the "
-        f"layouts below; {x['codec']})",
-        "",
-        "**Measured on this machine** (best delta step; a pool's seconds times its threads, so "
-        "per core and conservative): "
-        f"the publisher's host diff {diff_ns:.2f} ns per parameter element per core; encode + "
-        f"write {encode_ns:.1f} ns per changed element per core; {b_per_el:.2f} B per changed "
-        f"element; verify + decode {per_unit['decode1_s'] / max(1.0, x['changed'] / units) * 1e9:.1f} "
-        f"ns per changed element per core; the rollout's CPU apply "
-        f"{per_unit['apply_s'] / max(1.0, x['changed'] / units) * 1e9:.1f} ns per changed element; "
-        "fetched bytes, requests and the manifest's size per layer and tensor (tables above).",
-        "",
-        f"**Assumed trainer** (issue 27's layout): the model trained on {TRAINER_GPUS} GPUs "
-        f"({trainer_nodes} nodes of {GPUS_PER_NODE}), expert parallel x FSDP, every parameter "
-        f"element published by exactly one rank (the sharded publisher, DTensors): "
-        f"1/{TRAINER_GPUS} of the parameters per rank, 1% of them changed. Diff on the device "
-        f"(`previous_on=\"device\"`) at {DEVICE_DIFF_GBPS:.0f} GB/s effective over 4 B per "
-        f"element, the changed elements (12 B each: int64 index, new and old bf16) to the host "
-        f"at {PCIE_GBPS:.0f} GB/s; the host-path column instead copies every parameter to the "
-        f"host at that rate and diffs at the measured per-core rate on {TRAINER_ENCODE_CORES} "
-        f"cores; encode on {TRAINER_ENCODE_CORES} host cores per GPU at the measured per-core "
-        f"rate; upload: the node's 8 ranks' bytes over its {LINK_GBPS:.0f} Gb/s link; commit: "
-        f"rank 0 reads the {TRAINER_GPUS} part records {PART_READS} at a time plus "
-        f"{COMMIT_REQUESTS} more request rounds, {REQUEST_S * 1e3:.0f} ms each.",
-        "",
-        f"**Assumed rollout fleet** (as before): EP={EP} replicas, a node = {GPUS_PER_NODE} GPUs "
-        f"= {GPUS_PER_NODE} EP ranks each fetching and decoding its own share (the shared "
-        f"expert's delta and the manifest fetched 8x per node; 'with the node cache': "
-        f"`NodeCachedStore` fetches them once), node link {LINK_GBPS:.0f} Gb/s, {DECODE_CORES} "
-        f"host cores per node for verify + decode at the measured per-core rate; apply: the "
-        f"measured single-thread CPU scatter per rank (the CPU build), or, on GPUs (assumed), the "
-        f"decoded patches (10 B per element) to the device at {PCIE_GBPS:.0f} GB/s with the "
-        f"scatter itself negligible; fleet = {REPLICAS} replicas = {fleet_nodes} nodes; "
-        "bucket/CDN egress not the bottleneck; no overlap between stages (an upper bound: "
-        "the reader downloads, decodes and applies file by file). Not included: attention, "
-        "embeddings, dense layers (~2% of the parameters), discovery requests (bench_download).",
-        "",
-        "| model | parameters (MoE) | trainer: per rank changed | diff on device s (host path s) "
-        "| changes to host s | encode s | upload at link s | commit s | **trainer: publish -> "
-        "committed s** |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    rollout = [
-        "",
-        "| model | routed experts / rollout rank / layer | per rank: data + manifest fetched | "
-        "per node fetched (with the node cache) | download at link s | plan + verify+decode s "
-        "(per node) | apply s: GPU (CPU build) | **publish -> applied s: GPU (CPU build)** | Hub "
-        "requests / step: rank / fleet | fleet bytes / step |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    headline = ""
-    for model, (moe_layers, routed) in MOE_LAYERS.items():
-        params = moe_layers * (routed + 1) * 3 * HIDDEN * INTER
-        rank_changed = params / TRAINER_GPUS * DENSITY
-        device_diff = params / TRAINER_GPUS * 4 / (DEVICE_DIFF_GBPS * 1e9)
-        host_diff = (params / TRAINER_GPUS * 2 / (PCIE_GBPS * 1e9)
-                     + params / TRAINER_GPUS * diff_ns * 1e-9 / TRAINER_ENCODE_CORES)
-        to_host = rank_changed * 12 / (PCIE_GBPS * 1e9)
-        encode = rank_changed * encode_ns * 1e-9 / TRAINER_ENCODE_CORES
-        upload = rank_changed * b_per_el * GPUS_PER_NODE / link
-        commit = (-(-TRAINER_GPUS // PART_READS) + COMMIT_REQUESTS) * REQUEST_S
-        trainer = device_diff + to_host + encode + upload + commit
-        lines.append(
-            f"| {model} | {params / 1e12:.2f}T | {rank_changed / 1e6:.1f}M | {device_diff:.3f} "
-            f"({host_diff:.1f}) | {to_host:.3f} | {encode:.2f} | {upload:.2f} | {commit:.1f} | "
-            f"**{trainer:.1f}** |")
-
-        per_rank_experts = routed // EP
-        u = moe_layers * (per_rank_experts + 1)
-        moe_tensors = moe_layers * (routed * 3 + 4)
-        manifest = manifest_per_tensor * moe_tensors
-        rank_bytes = per_unit["fetched"] * u + manifest
-        node_bytes = rank_bytes * GPUS_PER_NODE
-        cached = per_unit["fetched"] * moe_layers * (per_rank_experts * GPUS_PER_NODE + 1) + manifest
-        download = node_bytes / link
-        decode = (plan_per_tensor * moe_tensors * GPUS_PER_NODE
-                  + per_unit["decode1_s"] * u * GPUS_PER_NODE) / DECODE_CORES
-        rank_applied = per_unit["apply_s"] * u
-        changed_rank = x["changed"] / units * u
-        gpu_apply = changed_rank * 10 / (PCIE_GBPS * 1e9)
-        total_gpu = trainer + download + decode + gpu_apply
-        total_cpu = trainer + download + decode + rank_applied
-        req_rank = manifest_req + data_req_per_layer * moe_layers
-        rollout.append(
-            f"| {model} | {per_rank_experts} (+1 shared) | {_gb(rank_bytes)} ({_gb(manifest)} "
-            f"manifest) | {_gb(node_bytes)} ({_gb(cached)}) | {download:.2f} | {decode:.1f} | "
-            f"{gpu_apply:.2f} ({rank_applied:.1f}) | **{total_gpu:.1f}** ({total_cpu:.1f}) | "
-            f"{req_rank:.0f} / {req_rank * REPLICAS * EP:,.0f} | {_gb(node_bytes * fleet_nodes)} |")
-        if model.startswith("1T"):
-            headline = (
-                f"**1T MoE, 1% changed, trained on {TRAINER_GPUS} GPUs, served at EP={EP}: "
-                f"{total_gpu:.1f} s publish -> applied on GPU servers ({total_cpu:.1f} s with the "
-                f"CPU build's apply), extrapolated: the trainer's part {trainer:.1f} s (of which "
-                f"{commit:.1f} s the commit's assumed request latency, {encode:.2f} s encode at the "
-                f"measured per-core rate on {TRAINER_ENCODE_CORES} cores per GPU), the rollout "
-                f"node's {download + decode + gpu_apply:.1f} s (verify + decode {decode:.1f} s on "
-                f"{DECODE_CORES} cores). Before 0.5 the same model said 252 s: it diffed and "
-                f"encoded 31B parameters per trainer rank on one CPU thread.**")
-    lines += rollout + ["", headline]
-    return "\n".join(lines)
+def model_section(r: dict[str, Any]) -> str:
+    """The deployment model (benchmarks/scale_model.py) from this run's measurements."""
+    rows = [x for x in r["rows"] if x["codec"] == r["codecs"][0]]  # the default codec
+    changed = rows[-1]["changed"]
+    best = {k: min(y[k] for y in rows) for k in ("fetched", "decode1_s", "decode2_s", "apply_s")}
+    lo, enc = r["layout"], r["encode"]
+    measured = Measured(
+        fetched_b=best["fetched"] / changed, step_b=rows[-1]["step_bytes"] / changed,
+        decode1_ns=best["decode1_s"] / changed * 1e9, decode_speedup=best["decode1_s"] / best["decode2_s"],
+        apply_ns=best["apply_s"] / changed * 1e9, encode1_ns=enc["wall1_s"] / enc["changed"] * 1e9,
+        encode_speedup=enc["wall1_s"] / enc["wall2_s"], sha_gbps=enc["sha_gbps"],
+        data_requests_per_layer=max(0, sum(lo["requests"].values()) - 2) / lo["layers"],
+        plans=r["plans"])
+    return render_model(measured)
 
 
 def run(quick: bool = False) -> str:

@@ -23,17 +23,12 @@ from typing import Any
 import torch
 from safetensors.torch import load as load_safetensors
 
-from vllm_deltasync.errors import (
-    ChainError,
-    FingerprintError,
-    FormatError,
-    IntegrityError,
-    NotFoundError,
-)
+from vllm_deltasync.errors import ChainError, FormatError, IntegrityError, NotFoundError
 from vllm_deltasync.format._listing import newest_readable
+from vllm_deltasync.format._selected import read_manifest
 from vllm_deltasync.format.codec import TensorPatch
 from vllm_deltasync.format.codecs import decode_chunk
-from vllm_deltasync.format.coverage import SparseOrder, check_manifest
+from vllm_deltasync.format.coverage import SparseOrder
 from vllm_deltasync.format.layout import MANIFEST_DIR, manifest_path, parse_manifest_path
 from vllm_deltasync.format.manifest import (
     MAX_MANIFEST_BYTES,
@@ -41,8 +36,10 @@ from vllm_deltasync.format.manifest import (
     FileEntry,
     Manifest,
     TensorEntry,
-    merge_ranges,
 )
+from vllm_deltasync.format.plan import base_identity, chain_problems, plan_chain, short_id
+from vllm_deltasync.format.plan import chain_ranges as _chunk_ranges
+from vllm_deltasync.format.plan import fetch_plan as _fetch_plan
 from vllm_deltasync.stores import Store, open_store
 
 _MANIFEST_CACHE = 256
@@ -104,6 +101,11 @@ class BucketReader:
         """A manifest refused as malformed is refused again from memory, without a download,
         for this many seconds (0: read it again every time). The poller sets it."""
         self._failed: dict[int, tuple[float, str, type[FormatError]]] = {}
+        self.select: Callable[[str], bool] | None = None
+        """The tensors this reader's user reads (the ``select`` it gives ``iter_patches``, a
+        rank's shard map), None: all. Manifests are then parsed and checked for these tensors
+        only, besides the step-wide rules, and list only these (format/_selected.py). Set it
+        before the first read: cached manifests are not read again."""
 
     @classmethod
     def open(cls, url: str, *, store_options: Mapping[str, Any] | None = None, **kw: Any) -> BucketReader:
@@ -161,13 +163,10 @@ class BucketReader:
         path = manifest_path(step)
         source = f"{self.store.url}/{path}"
         try:
-            m = Manifest.from_json(await self.store.read(path, max_bytes=MAX_MANIFEST_BYTES), source=source)
+            data = await self.store.read(path, max_bytes=MAX_MANIFEST_BYTES)
+            m = read_manifest(data, source=source, select=self.select)
             if m.step != step:
                 raise FormatError(f"{source}: holds step {m.step}, its name says {step}")
-            try:
-                check_manifest(m)
-            except FormatError as exc:
-                raise FormatError(f"{source}: {exc}") from exc
         except FormatError as exc:
             if self.remember_failures_s > 0:
                 self._failed[step] = (time.monotonic() + self.remember_failures_s, str(exc),
@@ -196,101 +195,13 @@ class BucketReader:
         chaining from ``applied`` when it is on ``target``'s chain within ``max_chain`` steps
         (the same identity, not only the same number); otherwise ``[anchor, deltas...]`` from
         the anchor of ``target``'s chain. ``[]`` when up to date. ChainError when no complete
-        chain reaches ``target``.
+        chain reaches ``target``. (format/plan.py)
         """
-        at = applied.step if isinstance(applied, Manifest) else applied
-        if target is None:
-            target = await self.latest_step()
-            if target is None:
-                return []
-        try:
-            chain = [await self.manifest(target)]
-        except NotFoundError:
-            raise ChainError(f"step {target} is not committed in {self.store.url}") from None
-        if at == target and (not isinstance(applied, Manifest) or applied.identity is None
-                             or chain[0].identity == applied.identity):
-            return []
-        self._check_fingerprint(chain[0])
-        while chain[-1].kind == "delta":
-            if (chain[-1].base_step == at and len(chain) <= max_chain
-                    and await self._continues(chain[-1], applied)):
-                break
-            chain.append(await self._base_of(chain[-1]))
-        return chain[::-1]
-
-    async def _continues(self, m: Manifest, applied: Manifest | int | None) -> bool:
-        """Delta ``m`` applies onto exactly ``applied`` (its base step number): the identity
-        ``m`` names (format v2+ since 0.5.0), else that of its base manifest read from the
-        bucket now, equals the applied one; the chain rules hold across the link."""
-        if not isinstance(applied, Manifest) or applied.identity is None:
-            return True  # a bare number: the caller holds no weights to protect
-        if await self.base_identity(m) != applied.identity:
-            return False
-        self._check_link(m, applied)
-        return True
+        return await plan_chain(self, applied, target, max_chain=max_chain)
 
     async def base_identity(self, m: Manifest) -> str | None:
-        """The identity of the manifest delta ``m`` was computed from: the ``base_id`` it
-        names, or (format 1 and deltas written before 0.5.0) the digest of its base manifest
-        as the bucket holds it now, read again (never from the cache), so a rewritten base is
-        seen. None for an anchor."""
-        if m.kind != "delta" or m.base_step is None:
-            return None
-        if m.base_id is not None:
-            return m.base_id
-        try:
-            return (await self.manifest(m.base_step, fresh=True)).identity
-        except NotFoundError:
-            raise ChainError(f"step {m.step}: its base step {m.base_step} is missing from "
-                             f"{self.store.url}; wait for the next anchor") from None
-
-    def _check_fingerprint(self, m: Manifest) -> None:
-        if self.fingerprint is not None and m.fingerprint != self.fingerprint:
-            raise FingerprintError(
-                f"step {m.step} of {self.store.url} was written for another parameter set "
-                f"({m.fingerprint}, expected {self.fingerprint}); point this reader at the "
-                "bucket of this model"
-            )
-
-    async def _base_of(self, m: Manifest) -> Manifest:
-        """The manifest ``m`` applies on, checked to belong to the same chain."""
-        assert m.base_step is not None  # a delta always has one (checked by the parser)
-        try:
-            base = await self.manifest(m.base_step)
-            if m.base_id is not None and base.identity != m.base_id:
-                base = await self.manifest(m.base_step, fresh=True)  # the cached one is stale?
-        except NotFoundError:
-            raise ChainError(
-                f"step {m.step}: its base step {m.base_step} is missing from {self.store.url}, so no "
-                f"complete chain from anchor {m.anchor_step} reaches it; wait for the next anchor"
-            ) from None
-        if m.base_id is not None and base.identity != m.base_id:
-            raise ChainError(
-                f"step {m.step} was computed from a step {m.base_step} ({short_id(m.base_id)}) "
-                f"that is not the step {m.base_step} in {self.store.url} now "
-                f"({short_id(base.identity)}): the chain was rewritten (a trainer restart, a "
-                "second writer); it is never applied, wait for the next anchor"
-            )
-        self._check_link(m, base)
-        return base
-
-    def _check_link(self, m: Manifest, base: Manifest) -> None:
-        """The chain rules between delta ``m`` and the manifest it applies on (§9)."""
-        if base.anchor_step != m.anchor_step:
-            raise ChainError(
-                f"step {m.step} says its chain starts at anchor {m.anchor_step}, but its base "
-                f"step {base.step} belongs to anchor {base.anchor_step}"
-            )
-        if base.run_id != m.run_id:
-            raise ChainError(
-                f"step {m.step} (run {m.run_id}) is based on step {base.step} of run "
-                f"{base.run_id}; a delta chain never crosses runs, wait for the next anchor"
-            )
-        if base.fingerprint != m.fingerprint:
-            raise FingerprintError(
-                f"step {m.step} and its base step {base.step} have different fingerprints; the "
-                "bucket mixes two parameter sets"
-            )
+        """The identity of the manifest delta ``m`` was computed from (format/plan.py)."""
+        return await base_identity(self, m)
 
     # ------------------------------------------------------------------ data
     async def fetch_file(self, m: Manifest, index: int) -> dict[str, torch.Tensor]:
@@ -510,17 +421,8 @@ class BucketReader:
                 orders[m.step].check()
             except FormatError as exc:
                 problems.append(str(exc))
-            problems += _chain_problems(m, manifests)
+            problems += chain_problems(m, manifests)
         return problems
-
-
-def short_id(identity: str | None) -> str:
-    """A step identity for messages: ``sha256:1a2b3c4d5e6f`` (None: ``unknown``)."""
-    return identity[:19] if identity else "unknown"
-
-
-def _chunk_ranges(pairs: list[tuple[TensorEntry, Chunk]]) -> tuple[tuple[int, int], ...]:
-    return merge_ranges((r.offset, r.length) for _, c in pairs for r in (c.roles or {}).values())
 
 
 def _load(m: Manifest, entry: FileEntry, data: bytes) -> dict[str, torch.Tensor]:
@@ -530,62 +432,8 @@ def _load(m: Manifest, entry: FileEntry, data: bytes) -> dict[str, torch.Tensor]
         raise FormatError(f"step {m.step}: {entry.path} is not a safetensors file ({exc})") from exc
 
 
-def _fetch_plan(m: Manifest, select: Callable[[str], bool] | None) -> tuple[
-        dict[int, list[tuple[TensorEntry, Chunk]]], dict[int, bool], dict[int, int]]:
-    """What :meth:`BucketReader.iter_patches` reads: the selected (tensor, chunk) pairs per data
-    file, whether each file is read whole (v1, or all its chunks wanted) and the bytes read."""
-    by_file: dict[int, list[tuple[TensorEntry, Chunk]]] = {}
-    chunks_in: dict[int, int] = {}
-    for entry in m.tensors:
-        for chunk in entry.chunks:
-            chunks_in[chunk.file] = chunks_in.get(chunk.file, 0) + 1
-            if select is None or select(entry.name):
-                by_file.setdefault(chunk.file, []).append((entry, chunk))
-    whole = {i: m.schema_version == 1 or len(pairs) == chunks_in[i] for i, pairs in by_file.items()}
-    cost = {i: m.files[i].size if whole[i] else sum(n for _, n in _chunk_ranges(pairs))
-            for i, pairs in by_file.items()}
-    return by_file, whole, cost
-
-
 def _sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
-
-
-def _chain_problems(m: Manifest, manifests: Mapping[int, Manifest]) -> list[str]:
-    if m.kind == "anchor":
-        return []
-    base = manifests.get(m.base_step)  # type: ignore[arg-type]
-    if base is None:
-        return [f"step {m.step}: base step {m.base_step} is missing; the chain from anchor "
-                f"{m.anchor_step} is broken"]
-    problems = []
-    if m.base_id is not None and base.identity is not None and m.base_id != base.identity:
-        problems.append(f"step {m.step}: names base {short_id(m.base_id)}, but step {base.step} "
-                        f"in the bucket is {short_id(base.identity)}; the chain was rewritten "
-                        "(a second writer, or a trainer restart that reused step numbers)")
-    if base.anchor_step != m.anchor_step:
-        problems.append(f"step {m.step}: chain says anchor {m.anchor_step}, base step {base.step} says {base.anchor_step}")
-    if base.run_id != m.run_id:
-        problems.append(f"step {m.step}: run {m.run_id}, its base step {base.step} is of run "
-                        f"{base.run_id}; a chain never crosses runs")
-    if base.fingerprint != m.fingerprint:
-        problems.append(f"step {m.step}: fingerprint differs from its base step {base.step}")
-    walk = base
-    while walk.kind == "delta" and walk.base_step in manifests:
-        walk = manifests[walk.base_step]  # type: ignore[index]
-    if walk.kind == "delta":
-        problems.append(f"step {m.step}: cannot be rebuilt, its chain misses step {walk.base_step}")
-        return problems
-    shapes = {e.name: e.shape for e in walk.tensors}  # the anchor: every tensor a delta may patch
-    for entry in m.tensors:
-        if entry.name not in shapes:
-            problems.append(f"step {m.step}: tensor {entry.name!r} is not in its anchor step "
-                            f"{walk.step}; the delta cannot be applied (the chain mixes models)")
-        elif shapes[entry.name] != entry.shape:
-            problems.append(f"step {m.step}: tensor {entry.name!r} is {list(entry.shape)}, in its "
-                            f"anchor step {walk.step} {list(shapes[entry.name])}; the delta cannot "
-                            "be applied")
-    return problems
 
 
 __all__ = ["BucketReader", "short_id"]
