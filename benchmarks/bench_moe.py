@@ -131,10 +131,10 @@ def _delta(params: dict[str, tuple[tuple[int, ...], str]], density: float) -> li
 
 
 def measure(layers: int = LAYERS) -> dict[str, Any]:
+    from vllm_deltasync.server.vllm.loaders import LOADER
     from vllm_deltasync.server.vllm.worker import layout_specs as _layout_specs
     from vllm_deltasync.server.worker.apply import Undo, apply_patches, merge_pieces, prepare
     from vllm_deltasync.server.worker.layouts import LayoutCache
-    from vllm_deltasync.server.vllm.loaders import LOADER
     from vllm_deltasync.server.worker.shardmap import ShardMap, translate_all
 
     tmp = Path(tempfile.mkdtemp(prefix="bench-moe"))

@@ -100,6 +100,7 @@ class Poller:
             decode_threads=min(8, len(self.placement.cpus)) if self.placement.cpus else 0,
         )
         self._reader.thread_init = self.placement.place
+        self._reader.select = select  # parse only the tensors this rank reads (format/_selected.py)
         self._watcher = StepWatcher(
             self._reader.store,
             probe_interval_s=config.poll_interval_s,
