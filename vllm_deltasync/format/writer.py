@@ -341,23 +341,78 @@ def _in_order(jobs: Iterator[tuple[int, Callable[[], Any]]], threads: int
                 future.cancel()
 
 
-def write_files(store: Store, loop: BackgroundLoop, step: int, kind: Kind, items: list[StepItem], *,
-                codec: str, max_file_bytes: int, timeout_s: float, version: int = SCHEMA_VERSION,
-                writer: str | None = None, attempt: str | None = None, encode_threads: int = 0,
+@dataclass(frozen=True)
+class StepFacts:
+    """What a step is, as its manifest records it (besides files and tensors)."""
+
+    step: int
+    """The step number (0 to 10**12 - 1)."""
+    kind: Kind
+    """``"anchor"`` (every element) or ``"delta"`` (the changed ones)."""
+    base_step: int | None
+    """A delta: the step it applies on. An anchor: None."""
+    anchor_step: int
+    """The anchor its chain starts from (an anchor's own step)."""
+    fingerprint: str
+    """The parameter set's ``fingerprint``."""
+    totals: tuple[int, int]
+    """Tensors and elements of the whole parameter set (not only those written)."""
+    base_id: str | None = None
+    """Format v2+ delta: the identity of the manifest it was computed from."""
+    resumed_from: int | None = None
+    """Format v2+ anchor, optional: the checkpoint step a restarted trainer resumed from."""
+
+
+@dataclass(frozen=True)
+class WriteOptions:
+    """How a step's data files and manifest are written."""
+
+    codec: str
+    """The codec of sparse items (dense items, an anchor's, are always ``dense``)."""
+    max_file_bytes: int = 256 << 20
+    """Data files are packed to about this size."""
+    timeout_s: float = 600.0
+    """Limit in seconds for one store operation."""
+    version: int = SCHEMA_VERSION
+    """Format version: 3, 2 (need ``run_id`` and ``writer`` for a step) or 1."""
+    run_id: str | None = None
+    """Format v2+: the training run (lowercase hex)."""
+    writer: str | None = None
+    """Format v2+: the writer token (lowercase hex); names the data folders."""
+    encode_threads: int = 0
+    """Threads that encode chunks (0: one per core, at most 8); the bytes do not depend on it."""
+
+    def __post_init__(self) -> None:
+        if self.version not in (1, 2, 3) or isinstance(self.version, bool):
+            raise ConfigError(f"WriteOptions: version={self.version!r} must be 3, 2 or 1")
+        size = self.max_file_bytes
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ConfigError(f"WriteOptions: max_file_bytes={size!r} must be an integer >= 1")
+        encode_threads_for(self.encode_threads)  # checks it
+        try:
+            get_codec(self.codec)
+        except FormatError as exc:
+            raise ConfigError(f"WriteOptions: {exc}") from None
+
+    @property
+    def tokens(self) -> tuple[str | None, str | None]:
+        """``(run_id, writer)`` as the format version writes them (v1: none)."""
+        return (self.run_id, self.writer) if self.version >= 2 else (None, None)
+
+
+def write_files(store: Store, loop: BackgroundLoop, facts: StepFacts, items: list[StepItem],
+                options: WriteOptions, *, attempt: str | None = None,
                 ) -> tuple[tuple[FileEntry, ...], tuple[TensorEntry, ...]]:
     """Encode ``items`` and write their data files (one attempt folder); no manifest.
-
-    ``encode_threads``: threads that encode chunks (0: one per core, at most 8); the bytes
-    written do not depend on it.
 
     Returns the file entries and one tensor entry per item, chunks numbered into those files.
     The ranks of a sharded job each call this for their own blocks; one of them merges the
     results into the manifest (``trainer/sharded.py``).
     """
-    threads = encode_threads_for(encode_threads)
-    files = _Files(store, loop, step, kind, max_file_bytes, timeout_s, version,
-                   writer if version >= 2 else None, attempt)
-    dense, sparse = get_codec("dense"), get_codec(codec)
+    threads = encode_threads_for(options.encode_threads)
+    files = _Files(store, loop, facts.step, facts.kind, options.max_file_bytes, options.timeout_s,
+                   options.version, options.tokens[1], attempt)
+    dense, sparse = get_codec("dense"), get_codec(options.codec)
     pending: list[tuple[StepItem, Codec, list[_PendingChunk]]] = []
     for item in items:
         pending.append((item, dense if item.indices is None else sparse, []))
@@ -387,36 +442,30 @@ def write_files(store: Store, loop: BackgroundLoop, step: int, kind: Kind, items
     return file_entries, tuple(merged.values())
 
 
-def write_step(store: Store, loop: BackgroundLoop, step: int, kind: Kind, base_step: int | None,
-               anchor_step: int, fp: str, totals: tuple[int, int], items: list[StepItem], *,
-               codec: str, max_file_bytes: int, timeout_s: float, version: int = SCHEMA_VERSION,
-               run_id: str | None = None, writer: str | None = None, base_id: str | None = None,
-               resumed_from: int | None = None, encode_threads: int = 0) -> Manifest:
+def write_step(store: Store, loop: BackgroundLoop, facts: StepFacts, items: list[StepItem],
+               options: WriteOptions) -> Manifest:
     """Write the data files of one step, then its manifest. Returns the committed manifest,
     its ``identity`` set from the bytes written.
 
-    ``version`` 3 (default) and 2 need ``run_id`` and ``writer`` (lowercase hex) and write
-    ``base_id`` (a delta: the identity of the manifest it was computed from) and
-    ``resumed_from`` (an anchor, optional); 1 writes the old format (no writer token, no
-    identities, chunks placed by position). ``encode_threads``: as in ``write_files``.
+    Format ``version`` 3 (default) and 2 need ``run_id`` and ``writer`` and write ``base_id``
+    (a delta) and ``resumed_from`` (an anchor, optional); 1 writes the old format (no writer
+    token, no identities, chunks placed by position).
     """
-    if version not in (1, 2, 3) or (version >= 2 and not (run_id and writer)):
-        raise FormatError(f"write_step: format version {version!r} needs run_id and writer (v2, v3) "
-                          "or is unknown")
-    file_entries, entries = write_files(
-        store, loop, step, kind, items, codec=codec, max_file_bytes=max_file_bytes,
-        timeout_s=timeout_s, version=version, writer=writer, encode_threads=encode_threads)
+    run_id, writer = options.tokens
+    if options.version >= 2 and not (run_id and writer):
+        raise ConfigError(f"write_step: format version {options.version} needs run_id and writer")
+    file_entries, entries = write_files(store, loop, facts, items, options)
+    v2 = options.version >= 2
     manifest = Manifest(
-        step=step, kind=kind, base_step=base_step, anchor_step=anchor_step,
-        created_at=time.time(), fingerprint=fp, files=file_entries, tensors=entries,
-        totals=Totals(totals[0], totals[1], sum(e.changed for e in entries),
+        step=facts.step, kind=facts.kind, base_step=facts.base_step, anchor_step=facts.anchor_step,
+        created_at=time.time(), fingerprint=facts.fingerprint, files=file_entries, tensors=entries,
+        totals=Totals(facts.totals[0], facts.totals[1], sum(e.changed for e in entries),
                       sum(f.size for f in file_entries)),
-        schema_version=version, run_id=run_id if version >= 2 else None,
-        writer=writer if version >= 2 else None,
-        base_id=base_id if version >= 2 and kind == "delta" else None,
-        resumed_from=resumed_from if version >= 2 and kind == "anchor" else None,
+        schema_version=options.version, run_id=run_id, writer=writer,
+        base_id=facts.base_id if v2 and facts.kind == "delta" else None,
+        resumed_from=facts.resumed_from if v2 and facts.kind == "anchor" else None,
     )
-    return commit_manifest(store, loop, manifest, timeout_s)
+    return commit_manifest(store, loop, manifest, options.timeout_s)
 
 
 def commit_manifest(store: Store, loop: BackgroundLoop, manifest: Manifest,

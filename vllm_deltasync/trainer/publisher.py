@@ -34,7 +34,7 @@ from vllm_deltasync._loop import BackgroundLoop, default_loop
 from vllm_deltasync.errors import PublishError
 from vllm_deltasync.format._listing import newest_readable
 from vllm_deltasync.format.manifest import Region, fingerprint
-from vllm_deltasync.format.writer import StepItem
+from vllm_deltasync.format.writer import StepFacts, StepItem
 from vllm_deltasync.stores import Store, open_store
 from vllm_deltasync.trainer import sharded
 from vllm_deltasync.trainer.diff import Diff, Differ
@@ -182,7 +182,7 @@ class DeltaPublisher:
             up = self._uploader
             explicit = (self.options.run_id is not None, self.options.writer_token is not None)
             try:
-                up.run_id, up.writer_token = group.start(up.run_id, up.writer_token, explicit)
+                up.identify(*group.start(up.run_id, up.writer_token, explicit))
             except BaseException:
                 group.close()
                 raise
@@ -330,10 +330,11 @@ class DeltaPublisher:
         part_of = blocks is not None
         if anchor:
             self._anchor_step, self._since_anchor, self._force_anchor = step, 0, False
-            return UploadJob(step, "anchor", None, step, fp, totals, items, sharded=part_of, lease=lease)
+            return UploadJob(StepFacts(step, "anchor", None, step, fp, totals), items,
+                             sharded=part_of, lease=lease)
         self._since_anchor += 1
-        return UploadJob(step, "delta", self._last_step, self._anchor_step, fp, totals,
-                    [i for i in items if i.changed], sharded=part_of, lease=lease)
+        return UploadJob(StepFacts(step, "delta", self._last_step, self._anchor_step, fp, totals),
+                         [i for i in items if i.changed], sharded=part_of, lease=lease)
 
     def _raise_background_error(self) -> None:
         error = self._uploader.take_error()  # queued steps (based on the failed one) are dropped

@@ -24,7 +24,15 @@ from vllm_deltasync.errors import AlreadyExistsError, FormatError, NotFoundError
 from vllm_deltasync.format._listing import read_manifest, skipped_line
 from vllm_deltasync.format.layout import MANIFEST_DIR, manifest_path, parse_manifest_path
 from vllm_deltasync.format.manifest import Kind, Manifest, Totals
-from vllm_deltasync.format.writer import StepItem, commit_manifest, retain, write_files, write_step
+from vllm_deltasync.format.writer import (
+    StepFacts,
+    StepItem,
+    WriteOptions,
+    commit_manifest,
+    retain,
+    write_files,
+    write_step,
+)
 from vllm_deltasync.stores import Store
 from vllm_deltasync.trainer import sharded
 from vllm_deltasync.trainer.options import PublisherOptions
@@ -36,19 +44,22 @@ log = logging.getLogger(__name__)
 class UploadJob:
     """One step, diffed on the caller's thread, for the upload thread to write and commit."""
 
-    step: int
-    kind: Kind
-    base_step: int | None
-    anchor_step: int
-    fingerprint: str
-    totals: tuple[int, int]
-    """Tensors and elements of the parameter set."""
+    facts: StepFacts
+    """The step's manifest fields (``base_id`` and ``resumed_from`` are added at commit)."""
     items: list[StepItem]
     diff_s: float = 0.0
     sharded: bool = False
     """One rank's part of a step of a sharded job (trainer/sharded.py)."""
     lease: object = field(default_factory=object)
     """What the diff lent this job (an anchor's host baselines), released when it is done."""
+
+    @property
+    def step(self) -> int:
+        return self.facts.step
+
+    @property
+    def kind(self) -> Kind:
+        return self.facts.kind
 
 
 @dataclass
@@ -78,9 +89,8 @@ class Uploader:
                  stats: PublisherStats, release: Callable[[object], None], *,
                  run_id: str, writer_token: str, seen_step: int | None) -> None:
         self.store, self.loop, self.options, self.stats = store, loop, options, stats
-        self.codec = options.delta_codec
         self.run_id, self.writer_token = run_id, writer_token
-        """Set by the caller's thread before the first job only (a sharded job agrees on them)."""
+        self.write_options = self._write_options()
         self.group: sharded.RankGroup | None = None
         self._release = release
         self._error: BaseException | None = None
@@ -96,6 +106,17 @@ class Uploader:
         self._thread.start()
 
     # ------------------------------------------------------------------ caller's thread
+    def identify(self, run_id: str, writer_token: str) -> None:
+        """Write as ``run_id`` / ``writer_token`` (a sharded job's agreed ones); before the
+        first job only."""
+        self.run_id, self.writer_token = run_id, writer_token
+        self.write_options = self._write_options()
+
+    def _write_options(self) -> WriteOptions:
+        o = self.options
+        return WriteOptions(o.delta_codec, o.max_file_bytes, o.timeout_s, o.format_version,
+                            self.run_id, self.writer_token, o.encode_threads)
+
     def put(self, job: UploadJob) -> None:
         """Queue ``job``; waits while ``max_pending_steps`` jobs are queued."""
         self._queue.put(job)
@@ -189,15 +210,8 @@ class Uploader:
             self.options.on_commit(manifest)
 
     def _write_step(self, job: UploadJob) -> Manifest:
-        o = self.options
-        return write_step(
-            self.store, self.loop, job.step, job.kind, job.base_step, job.anchor_step,
-            job.fingerprint, job.totals, job.items, codec=self.codec,
-            max_file_bytes=o.max_file_bytes, timeout_s=o.timeout_s,
-            version=o.format_version, run_id=self.run_id, writer=self.writer_token,
-            base_id=self._base_id(job), resumed_from=self._resumed_from(job),
-            encode_threads=o.encode_threads,
-        )
+        facts = replace(job.facts, base_id=self._base_id(job), resumed_from=self._resumed_from(job))
+        return write_step(self.store, self.loop, facts, job.items, self.write_options)
 
     def _count(self, job: UploadJob, manifest: Manifest | None, elapsed: float) -> None:
         """Stats of one step: committed (``manifest``), or a part written by a non-committing rank."""
@@ -215,14 +229,13 @@ class Uploader:
         group, o = self.group, self.options
         assert group is not None
         attempt = group.attempt()
-        files, tensors = write_files(
-            self.store, self.loop, job.step, job.kind, job.items, codec=self.codec,
-            max_file_bytes=o.max_file_bytes, timeout_s=o.timeout_s, writer=self.writer_token,
-            attempt=attempt, encode_threads=o.encode_threads)
+        files, tensors = write_files(self.store, self.loop, job.facts, job.items, self.write_options,
+                                     attempt=attempt)
         sharded.failpoint(group.rank, job.step)
-        template = Manifest(step=job.step, kind=job.kind, base_step=job.base_step,
-                            anchor_step=job.anchor_step, created_at=time.time(),
-                            fingerprint=job.fingerprint, files=(), tensors=(),
+        facts = job.facts
+        template = Manifest(step=facts.step, kind=facts.kind, base_step=facts.base_step,
+                            anchor_step=facts.anchor_step, created_at=time.time(),
+                            fingerprint=facts.fingerprint, files=(), tensors=(),
                             totals=Totals(0, 0, 0, 0), run_id=self.run_id, writer=self.writer_token)
         part = sharded.part_manifest(template, files, tensors)
         folder = sharded.folder(job.step, self.writer_token, attempt)
@@ -231,7 +244,7 @@ class Uploader:
             return None
         parts = self._run(sharded.collect_parts(self.store, job.step, self.writer_token,
                                                 group.session, group.world, o.timeout_s))
-        manifest = replace(sharded.merge_parts(parts, job.totals), base_id=self._base_id(job),
+        manifest = replace(sharded.merge_parts(parts, facts.totals), base_id=self._base_id(job),
                            resumed_from=self._resumed_from(job))
         self._run(self._check_alone(job.step))
         return commit_manifest(self.store, self.loop, manifest, o.timeout_s)
@@ -242,10 +255,11 @@ class Uploader:
         failed commit makes the next job an anchor and drops queued deltas)."""
         if job.kind != "delta" or self.options.format_version < 2:
             return None
-        assert job.base_step is not None
-        base_id = self._ids.get(job.base_step)
+        base_step = job.facts.base_step
+        assert base_step is not None
+        base_id = self._ids.get(base_step)
         if base_id is None:
-            raise PublishError(f"step {job.step}: its base step {job.base_step} was not committed "
+            raise PublishError(f"step {job.step}: its base step {base_step} was not committed "
                                "by this publisher; the next step is an anchor")
         return base_id
 
