@@ -122,14 +122,14 @@ def test_every_high_bits_choice_matches(kernels: Any) -> None:
     idx = (torch.cumsum(gaps, 0) - gaps[0]).numpy()
     diff = torch.randint(-40, 41, (n,), generator=g).to(torch.int16).numpy()
     diff[::53] = -32768
-    scan, build = kernels
+    scan, build, tables = kernels
     joint = np.zeros(65536, np.int64)
     used = scan(idx, diff, joint)
     high = np.diff(idx, prepend=idx[0]) >> 8
     assert np.array_equal(joint.reshape(256, 256), sparse_v3._joint_histogram(high, sparse_v3._zigzag_code(diff)))
     assert tuple(used) == (min(int(high.max()), 255), min(int(sparse_v3._zigzag_code(diff).max()), 255))
     for bounds in (None, (used[0] + 1, used[1] + 1), (256, 256)):  # any bounds: the same choice
-        assert sparse_v3._choose_high_bits(joint.reshape(256, 256), n, bounds) == \
+        assert sparse_v3._choose_high_bits(joint.reshape(256, 256), n, bounds, tables) == \
             sparse_v3._choose_high_bits(sparse_v3._joint_histogram(high, sparse_v3._zigzag_code(diff)), n)
     for hb in range(1, 9):
         low, fields = np.empty(n, np.uint8), np.empty(n, np.uint8)

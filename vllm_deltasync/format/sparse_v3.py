@@ -42,6 +42,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from vllm_deltasync._jit import LOCK, compile_kernels, first, once
 from vllm_deltasync.errors import ConfigError, FormatError
 from vllm_deltasync.format.codec import Codec
 
@@ -85,7 +86,8 @@ def _joint_histogram(high: np.ndarray, codes: np.ndarray) -> np.ndarray:
     return np.bincount(key, minlength=65536).reshape(256, 256)
 
 
-def _choose_high_bits(joint: np.ndarray, n: int, used: tuple[int, int] | None = None) -> int:
+def _choose_high_bits(joint: np.ndarray, n: int, used: tuple[int, int] | None = None,
+                      tables_kernel: Any = None) -> int:
     """``high_bits`` with the smallest estimated size, from the joint histogram ``joint`` of
     (min(h, 255), min(c, 255)) of the ``n`` elements.
 
@@ -93,6 +95,7 @@ def _choose_high_bits(joint: np.ndarray, n: int, used: tuple[int, int] | None = 
     ``max(entropy of the field bytes, 1)`` bits (+2% for tables); a high escape ~3 bytes, a value
     escape ~1.5 (their overflow compresses). Small chunks (not worth compressing) are sized raw.
     ``used``: (rows, columns) of ``joint`` that may be non-zero, where the caller knows them.
+    ``tables_kernel``: ``_field_tables`` compiled by numba (None: numpy).
 
     Every candidate's field bytes have exactly 256 values (``2**hb`` high fields x ``2**(8-hb)``
     value fields), so one (8, 256) table of exact integer counts (``_field_tables``: numba, or
@@ -106,9 +109,8 @@ def _choose_high_bits(joint: np.ndarray, n: int, used: tuple[int, int] | None = 
         used = (int(nz[-1]) // 256 + 1, int((nz & 255).max()) + 1) if nz.size else (1, 1)
     tables = np.zeros((8, 256), np.int64)
     escapes = np.zeros((8, 2), np.int64)
-    kernel = _table_kernel()
-    if kernel is not None:
-        kernel(np.ascontiguousarray(joint).reshape(-1), used[0], used[1], tables, escapes)
+    if tables_kernel is not None:
+        tables_kernel(np.ascontiguousarray(joint).reshape(-1), used[0], used[1], tables, escapes)
     else:
         _field_tables_numpy(joint[: used[0], : used[1]], tables, escapes)
     he, ve = escapes[:, 0].astype(np.float64), escapes[:, 1].astype(np.float64)
@@ -163,45 +165,6 @@ def _field_tables_numpy(joint: np.ndarray, tables: np.ndarray, escapes: np.ndarr
         np.add.at(tables[hb], cell.reshape(-1), joint.reshape(-1))
         escapes[hb, 0] = joint[hm:].sum()
         escapes[hb, 1] = joint[:, vm:].sum()
-
-
-_TABLE_KERNEL: list[Any] = []
-
-
-def _table_kernel() -> Any:
-    """``_field_tables`` compiled by numba (with the encoder's kernels), or None (also while
-    the encoder is kept off numba)."""
-    if _encode_kernels() is None:
-        return None
-    if not _TABLE_KERNEL:
-        with _KERNEL_LOCK:
-            if not _TABLE_KERNEL:
-                _TABLE_KERNEL.append(_compile_tables())
-    return _TABLE_KERNEL[0]
-
-
-def _compile_tables() -> Any:
-    import numba
-
-    try:
-        try:
-            jitted = numba.njit(nogil=True, cache=True)(_field_tables)
-        except RuntimeError:
-            jitted = numba.njit(nogil=True)(_field_tables)
-        joint = np.zeros(65536, np.int64)
-        joint[3 * 256 + 300 % 256] = 2
-        joint[255 * 256 + 1] = 1
-        got, esc = np.zeros((8, 256), np.int64), np.zeros((8, 2), np.int64)
-        jitted(joint, 256, 256, got, esc)
-        want, wesc = np.zeros((8, 256), np.int64), np.zeros((8, 2), np.int64)
-        _field_tables_numpy(joint.reshape(256, 256), want, wesc)
-        if not (np.array_equal(got, want) and np.array_equal(esc, wesc)):
-            raise RuntimeError("self-check: the tables differ from numpy's")
-    except Exception as exc:  # noqa: BLE001
-        logger.warning("sparse-v3: numba could not compile the width choice (%s); numpy is used",
-                       str(exc)[:200])
-        return None
-    return jitted
 
 
 _LOCAL = threading.local()
@@ -278,11 +241,12 @@ def _gaps_body(idx: np.ndarray, values16: np.ndarray, coded: bool, meta: dict[st
     if kernels is None:
         hb, high_over, low, fields, value_over = _gaps_numpy(idx, values16, coded)
     else:
-        scan, build = kernels
+        scan, build, tables = kernels
         if coded:
             joint = np.zeros(65536, np.int64)
             used = scan(idx, values16, joint)
-            hb = _choose_high_bits(joint.reshape(256, 256), n, (int(used[0]) + 1, int(used[1]) + 1))
+            hb = _choose_high_bits(joint.reshape(256, 256), n, (int(used[0]) + 1, int(used[1]) + 1),
+                                   tables)
         else:
             hb = 8
         low, fields = np.empty(n, np.uint8), np.empty(n, np.uint8)
@@ -448,7 +412,7 @@ class SparseV3Codec(Codec):
         if jit:
             _kernel()
         else:
-            with _KERNEL_LOCK:
+            with LOCK:
                 _KERNEL[:] = [None]
                 _ENC_KERNEL[:] = [None]
 
@@ -679,7 +643,10 @@ def _fused(low, fields, high_over, value_over, hb, first, indices, values, coded
 
 
 _KERNEL: list[Any] = []
-_KERNEL_LOCK = threading.Lock()
+"""``_fused`` compiled by numba: empty until decided, then [it or None]."""
+_ENC_KERNEL: list[Any] = []
+"""(``_enc_scan``, ``_enc_fields``, ``_field_tables``) compiled by numba: empty until decided,
+then [them or None]."""
 
 
 def _kernel() -> Any:
@@ -688,75 +655,49 @@ def _kernel() -> Any:
 
     Compiled once per process, at ``prepare`` or else the first decode (~1 s, ~0.3 s from
     numba's disk cache where it finds a writable cache directory)."""
-    if not _KERNEL:
-        with _KERNEL_LOCK:
-            if not _KERNEL:
-                _KERNEL.append(_compile())
-    return _KERNEL[0]
-
-
-def _compile() -> Any:
-    try:
-        import numba
-    except ImportError:
-        return None
-    try:
-        try:
-            jitted = numba.njit(nogil=True, cache=True)(_fused)
-        except RuntimeError:  # no writable cache location: compile in memory
-            jitted = numba.njit(nogil=True)(_fused)
-        idx, val = np.empty(2, np.int64), np.empty(2, np.int16)  # compile, self-check
-        seen = jitted(_readonly(np.zeros(2, np.uint8)), _readonly(np.array([0, 0xFC], np.uint8)),
-                      _readonly(np.zeros(0, "<u4")), _readonly(np.array([7], "<i2")), 2, 5, idx,
-                      val, True)
-        if tuple(seen) != (0, 1) or idx.tolist() != [5, 5] or val.tolist() != [-1, 7]:
-            raise RuntimeError(f"self-check decoded {seen} {idx.tolist()} {val.tolist()}")
-    except Exception as exc:  # noqa: BLE001 - any numba failure leaves the numpy decoder
-        logger.warning("sparse-v3: numba could not compile the decoder (%s: %s); decoding "
-                       "with numpy (~1.5x slower)", type(exc).__name__, str(exc)[:200])
-        return None
-    return jitted
-
-
-_ENC_KERNEL: list[Any] = []
+    return once(_KERNEL, lambda: first(compile_kernels(
+        (_fused,), _check_decoder, log=logger, label="sparse-v3", what="the decoder",
+        fallback="decoding with numpy (~1.5x slower)")))
 
 
 def _encode_kernels() -> Any:
-    """(``_enc_scan``, ``_enc_fields``) compiled by numba, or None where numba is missing or
-    cannot compile: the numpy passes of ``_gaps_numpy`` then write the same bytes, ~8x slower.
-    Compiled once per process, at the first encode (~1 s, less from numba's disk cache)."""
-    if not _ENC_KERNEL:
-        with _KERNEL_LOCK:
-            if not _ENC_KERNEL:
-                _ENC_KERNEL.append(_compile_encoder())
-    return _ENC_KERNEL[0]
+    """(``_enc_scan``, ``_enc_fields``, ``_field_tables``) compiled by numba, or None where
+    numba is missing or cannot compile: the numpy passes of ``_gaps_numpy`` then write the
+    same bytes, ~8x slower. Compiled once per process, at the first encode (~1 s, less from
+    numba's disk cache)."""
+    return once(_ENC_KERNEL, lambda: compile_kernels(
+        (_enc_scan, _enc_fields, _field_tables), _check_encoder, log=logger, label="sparse-v3",
+        what="the encoder", fallback="encoding with numpy (same bytes, slower)"))
 
 
-def _compile_encoder() -> Any:
-    try:
-        import numba
-    except ImportError:
-        return None
-    try:
-        try:
-            scan, build = (numba.njit(nogil=True, cache=True)(f) for f in (_enc_scan, _enc_fields))
-        except RuntimeError:  # no writable cache location: compile in memory
-            scan, build = (numba.njit(nogil=True)(f) for f in (_enc_scan, _enc_fields))
-        idx, diff = np.array([3, 5, 1000], np.int64), np.array([-1, 300, 2], np.int16)  # self-check
-        joint = np.zeros(65536, np.int64)
-        used = scan(idx, diff, joint)
-        low, fields = np.empty(3, np.uint8), np.empty(3, np.uint8)
-        high_over, value_over = np.empty(3, "<u4"), np.empty(3, "<i2")
-        counts = build(idx, diff, 2, low, fields, high_over, value_over)
-        got = (counts, high_over[:1], low, fields, value_over[:1], joint.sum(), used)
-        if [np.asarray(a).tolist() for a in got] != [[1, 1], [0], [0, 2, 227], [0, 252, 15], [300], 3,
-                                                     [3, 255]]:
-            raise RuntimeError(f"self-check encoded {counts} {low.tolist()} {fields.tolist()}")
-    except Exception as exc:  # noqa: BLE001 - any numba failure leaves the numpy encoder
-        logger.warning("sparse-v3: numba could not compile the encoder (%s: %s); encoding "
-                       "with numpy (same bytes, slower)", type(exc).__name__, str(exc)[:200])
-        return None
-    return scan, build
+def _check_decoder(fused: Any) -> None:
+    idx, val = np.empty(2, np.int64), np.empty(2, np.int16)
+    seen = fused(_readonly(np.zeros(2, np.uint8)), _readonly(np.array([0, 0xFC], np.uint8)),
+                 _readonly(np.zeros(0, "<u4")), _readonly(np.array([7], "<i2")), 2, 5, idx, val, True)
+    if tuple(seen) != (0, 1) or idx.tolist() != [5, 5] or val.tolist() != [-1, 7]:
+        raise RuntimeError(f"self-check decoded {seen} {idx.tolist()} {val.tolist()}")
+
+
+def _check_encoder(scan: Any, build: Any, tables: Any) -> None:
+    idx, diff = np.array([3, 5, 1000], np.int64), np.array([-1, 300, 2], np.int16)
+    joint = np.zeros(65536, np.int64)
+    used = scan(idx, diff, joint)
+    low, fields = np.empty(3, np.uint8), np.empty(3, np.uint8)
+    high_over, value_over = np.empty(3, "<u4"), np.empty(3, "<i2")
+    counts = build(idx, diff, 2, low, fields, high_over, value_over)
+    got = (counts, high_over[:1], low, fields, value_over[:1], joint.sum(), used)
+    if [np.asarray(a).tolist() for a in got] != [[1, 1], [0], [0, 2, 227], [0, 252, 15], [300], 3,
+                                                 [3, 255]]:
+        raise RuntimeError(f"self-check encoded {counts} {low.tolist()} {fields.tolist()}")
+    joint = np.zeros(65536, np.int64)
+    joint[3 * 256 + 300 % 256] = 2
+    joint[255 * 256 + 1] = 1
+    got_t, got_e = np.zeros((8, 256), np.int64), np.zeros((8, 2), np.int64)
+    tables(joint, 256, 256, got_t, got_e)
+    want_t, want_e = np.zeros((8, 256), np.int64), np.zeros((8, 2), np.int64)
+    _field_tables_numpy(joint.reshape(256, 256), want_t, want_e)
+    if not (np.array_equal(got_t, want_t) and np.array_equal(got_e, want_e)):
+        raise RuntimeError("self-check: the width tables differ from numpy's")
 
 
 __all__ = ["ZSTD_LEVEL", "SparseV3Codec"]

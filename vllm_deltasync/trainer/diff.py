@@ -35,6 +35,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from vllm_deltasync._jit import compile_kernels, first, once
+
 log = logging.getLogger(__name__)
 
 CHUNK_ELEMENTS = 1 << 20
@@ -349,40 +351,24 @@ def _words(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 _KERNEL: list[Any] = []
-_KERNEL_LOCK = threading.Lock()
+"""The fused diff compiled by numba: empty until the first host diff decides, then [it or None]."""
 
 
 def _kernel() -> Any:
     """``_fused_diff`` compiled by numba, or None (numba missing or failing: numpy passes)."""
-    if not _KERNEL:
-        with _KERNEL_LOCK:
-            if not _KERNEL:
-                _KERNEL.append(_compile())
-    return _KERNEL[0]
+    return once(_KERNEL, lambda: first(compile_kernels(
+        (_fused_diff,), _check_kernel, log=log, label="publisher diff", what="the fused diff",
+        fallback="diffing with numpy")))
 
 
-def _compile() -> Any:
-    try:
-        import numba
-    except ImportError:
-        return None
-    try:
-        try:
-            jitted = numba.njit(nogil=True, cache=True)(_fused_diff)
-        except RuntimeError:  # no writable cache location
-            jitted = numba.njit(nogil=True)(_fused_diff)
-        new = np.array([1, 2, 3, 4, 5, 6], np.int16)
-        last = np.array([1, 9, 3, 4, 5, 0], np.int16)
-        idx, nv, ov = np.empty(6, np.int64), np.empty(6, np.int16), np.empty(6, np.int16)
-        k = jitted(new, last, *_words(new, last), idx, nv, ov, 10)
-        if (k != 2 or idx[:2].tolist() != [11, 15] or nv[:2].tolist() != [2, 6]
-                or ov[:2].tolist() != [9, 0] or last.tolist() != new.tolist()):
-            raise RuntimeError("self-check failed")
-    except Exception as exc:  # noqa: BLE001 - any numba failure leaves the numpy passes
-        log.warning("publisher diff: numba could not compile the fused diff (%s: %s); diffing "
-                    "with numpy", type(exc).__name__, str(exc)[:200])
-        return None
-    return jitted
+def _check_kernel(jitted: Any) -> None:
+    new = np.array([1, 2, 3, 4, 5, 6], np.int16)
+    last = np.array([1, 9, 3, 4, 5, 0], np.int16)
+    idx, nv, ov = np.empty(6, np.int64), np.empty(6, np.int16), np.empty(6, np.int16)
+    k = jitted(new, last, *_words(new, last), idx, nv, ov, 10)
+    if (k != 2 or idx[:2].tolist() != [11, 15] or nv[:2].tolist() != [2, 6]
+            or ov[:2].tolist() != [9, 0] or last.tolist() != new.tolist()):
+        raise RuntimeError("self-check failed")
 
 
 __all__ = ["CHUNK_ELEMENTS", "Diff", "Differ"]
