@@ -12,7 +12,7 @@ import torch
 
 from vllm_deltasync._loop import default_loop
 from vllm_deltasync.errors import ConfigError
-from vllm_deltasync.format import writer
+from vllm_deltasync.format import _datafiles, writer
 from vllm_deltasync.format.manifest import Region
 from vllm_deltasync.format.writer import (
     StepFacts,
@@ -56,7 +56,7 @@ def _items(seed: int = 0, *, blocks: bool = True) -> list[StepItem]:
 
 def _publish(threads: int, monkeypatch: pytest.MonkeyPatch, *, codec: str = "sparse-v3",
              version: int = 3) -> dict[str, bytes]:
-    monkeypatch.setattr(writer.secrets, "token_hex", lambda n: _TOKEN[: 2 * n])
+    monkeypatch.setattr(_datafiles.secrets, "token_hex", lambda n: _TOKEN[: 2 * n])
     monkeypatch.setattr(writer.time, "time", lambda: 1234.5)
     name = f"threads-{next(_NAMES)}"
     store = open_store(f"memory://{name}")
@@ -93,7 +93,7 @@ def test_uploads_start_while_chunks_encode_and_waiting_chunks_stay_bounded(
     lock = threading.Lock()
     counts = {"encoded": 0, "added": 0, "max_waiting": 0}
     encoded_at_first_write: list[int] = []
-    real_encode, real_add = writer._encode_chunk, writer._Files.add
+    real_encode, real_add = writer._encode_chunk, _datafiles.DataFiles.add
 
     def encode(*args: Any) -> Any:
         out = real_encode(*args)
@@ -116,7 +116,7 @@ def test_uploads_start_while_chunks_encode_and_waiting_chunks_stay_bounded(
         return await real_write(path, data)
 
     monkeypatch.setattr(writer, "_encode_chunk", encode)
-    monkeypatch.setattr(writer._Files, "add", add)
+    monkeypatch.setattr(_datafiles.DataFiles, "add", add)
     monkeypatch.setattr(store, "write", write)
     g = torch.Generator().manual_seed(1)
     n = 2_000_000

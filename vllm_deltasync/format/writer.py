@@ -1,8 +1,9 @@
-"""Writing one step into a bucket (data files, then the manifest) and retention.
+"""Writing one step into a bucket: data files, then the manifest.
 
 Used by the publisher's upload thread. ``write_step`` encodes each tensor's payload in
-chunks, packs chunks into safetensors files of about ``max_file_bytes``, writes the files
-(a few at a time) and finally the manifest, whose existence commits the step.
+chunks, packs chunks into safetensors files of about ``max_file_bytes`` (``_datafiles.py``),
+writes the files (a few at a time) and finally the manifest, whose existence commits the
+step. Retention (``retain``, re-exported here) is ``retention.py``.
 
 Chunks encode on a thread pool (``encode_threads``; the codecs release the GIL in numba,
 numpy, torch and zstd) a bounded window ahead of the packing, which takes them in their
@@ -17,49 +18,34 @@ from __future__ import annotations
 import collections
 import contextlib
 import functools
-import hashlib
-import json
 import os
-import secrets
 import time
-from collections.abc import Callable, Generator, Iterator, MutableMapping
+from collections.abc import Callable, Generator, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
-from safetensors.torch import save as save_safetensors
 
 from vllm_deltasync._loop import BackgroundLoop
 from vllm_deltasync.errors import ConfigError, FormatError
+from vllm_deltasync.format._datafiles import DataFiles, PendingChunk
 from vllm_deltasync.format.codec import Codec
 from vllm_deltasync.format.codecs import get_codec
-from vllm_deltasync.format.layout import (
-    attempt_token,
-    data_dir,
-    data_path,
-    manifest_path,
-    parse_data_path,
-    parse_manifest_path,
-    token_writer,
-)
+from vllm_deltasync.format.layout import manifest_path
 from vllm_deltasync.format.manifest import (
-    FORMAT_NAME,
     SCHEMA_VERSION,
-    Chunk,
     FileEntry,
     Kind,
     Manifest,
     Region,
-    RoleRange,
     TensorEntry,
     Totals,
     manifest_identity,
-    merge_ranges,
 )
+from vllm_deltasync.format.retention import retain
 from vllm_deltasync.stores import Store
 
-MAX_WRITES_IN_FLIGHT = 4
 MAX_ENCODE_THREADS = 8
 """``encode_threads=0`` uses one thread per available core, at most this many."""
 
@@ -96,131 +82,11 @@ class StepItem:
     local index space (docs/format.md, "Region and local indices"). None: the whole tensor."""
 
 
-@dataclass
-class _PendingChunk:
-    """A chunk whose file is not written yet (v2 byte ranges and digest come at flush)."""
-
-    owner: str
-    keys: dict[str, str]
-    start: int
-    stop: int
-    meta: dict[str, Any]
-    region: Region | None
-    file: int = -1
-    roles: dict[str, RoleRange] = field(default_factory=dict)
-    sha256: str | None = None
-
-    def chunk(self) -> Chunk:
-        if self.region is None:
-            return Chunk(self.file, self.keys, self.start, self.stop, self.meta)
-        return Chunk(self.file, self.keys, 0, self.stop - self.start, self.meta, self.region,
-                     self.roles, self.sha256)
-
-
-def _save(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> bytes:
-    """safetensors' ``save`` with the header's metadata in sorted order, so that the same step
-    makes the same bytes (content-addressed stores deduplicate them): safetensors writes the
-    metadata from a Rust HashMap, in an order that changes from file to file."""
-    data = save_safetensors(tensors, metadata=metadata)
-    n = int.from_bytes(data[:8], "little")
-    header = json.loads(data[8 : 8 + n])
-    meta = header.pop("__metadata__", {})
-    text = json.dumps({"__metadata__": dict(sorted(meta.items())), **header},
-                      separators=(",", ":")).encode()
-    if len(text) > n:  # not the compact JSON safetensors writes: keep its bytes
-        return data
-    return data[:8] + text + b" " * (n - len(text)) + data[8 + n :]
-
-
-class _Files:
-    """Packs chunk tensors into safetensors files and writes them as they fill up."""
-
-    def __init__(self, store: Store, loop: BackgroundLoop, step: int, kind: Kind,
-                 max_file_bytes: int, timeout_s: float, version: int, writer: str | None,
-                 attempt: str | None = None) -> None:
-        self.store, self.loop, self.step, self.kind = store, loop, step, kind
-        self.max_file_bytes, self.timeout_s, self.version = max_file_bytes, timeout_s, version
-        attempt = attempt or secrets.token_hex(8)
-        self.token = attempt if writer is None else attempt_token(writer, attempt)
-        self.entries: list[FileEntry] = []
-        self.tensors: dict[str, torch.Tensor] = {}
-        self.owners: set[str] = set()
-        self.chunks: list[_PendingChunk] = []
-        self.size = 0
-        self.pending: list[Future[None]] = []
-
-    def add(self, owner: str, tensors: dict[str, torch.Tensor], chunk: _PendingChunk) -> None:
-        """Put one chunk's tensors (key -> tensor) in the current file; sets ``chunk.file``."""
-        nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
-        if self.tensors and self.size + nbytes > self.max_file_bytes:
-            self.flush()
-        if owner in self.owners:  # two chunks of one tensor: must not share storage in a file
-            tensors = {k: t.clone() for k, t in tensors.items()}
-        for key, tensor in tensors.items():
-            if key in self.tensors:
-                raise FormatError(f"step {self.step}: safetensors key {key!r} is used twice")
-            self.tensors[key] = tensor
-        self.owners.add(owner)
-        self.size += nbytes
-        chunk.file = len(self.entries)
-        self.chunks.append(chunk)
-
-    def flush(self) -> None:
-        if not self.tensors:
-            return
-        meta = {"format": FORMAT_NAME, "schema_version": str(self.version),
-                "step": str(self.step), "kind": self.kind}
-        data = _save(self.tensors, meta)
-        path = data_path(self.step, self.token, len(self.entries))
-        index = _locate(data, self.chunks) if self.version >= 2 else None
-        self.entries.append(FileEntry(path, len(data), hashlib.sha256(data).hexdigest(), index))
-        self.tensors, self.owners, self.chunks, self.size = {}, set(), [], 0
-        self.pending.append(self.loop.submit(self.store.write(path, data)))
-        if len(self.pending) >= MAX_WRITES_IN_FLIGHT:
-            self.pending.pop(0).result(self.timeout_s)
-
-    def finish(self) -> tuple[FileEntry, ...]:
-        """Write the last file and wait for every write; the first error is raised."""
-        try:
-            self.flush()
-        finally:
-            errors = []
-            for future in self.pending:
-                try:
-                    future.result(self.timeout_s)
-                except BaseException as exc:
-                    errors.append(exc)
-            self.pending = []
-        if errors:
-            raise errors[0]
-        return tuple(self.entries)
-
-
-def _locate(data: bytes, chunks: list[_PendingChunk]) -> dict[str, tuple[tuple[int, int], ...]]:
-    """v2: fill each chunk's role byte ranges and sha256 from the file; return the file index."""
-    header_len = int.from_bytes(data[:8], "little")
-    header = json.loads(data[8 : 8 + header_len])
-    base = 8 + header_len
-    view = memoryview(data)
-    ranges: dict[str, list[tuple[int, int]]] = {}
-    for chunk in chunks:
-        digest = hashlib.sha256()
-        for role in sorted(chunk.keys):
-            info = header[chunk.keys[role]]
-            begin, end = info["data_offsets"]
-            rr = RoleRange(chunk.keys[role], info["dtype"], base + begin, end - begin)
-            chunk.roles[role] = rr
-            digest.update(view[rr.offset : rr.offset + rr.length])
-            ranges.setdefault(chunk.owner, []).append((rr.offset, rr.length))
-        chunk.sha256 = digest.hexdigest()
-    return {name: merge_ranges(rs) for name, rs in ranges.items()}
-
-
 _Plan = tuple[int, int, torch.Tensor | None, Region | None, int]
 """One chunk to encode: (start, stop, local indices or None, region, codec key)."""
 
 
-def _plan_item(item: StepItem, codec: Codec, files: _Files) -> Iterator[_Plan]:
+def _plan_item(item: StepItem, codec: Codec, files: DataFiles) -> Iterator[_Plan]:
     """The chunks of ``item``, in order (nothing encoded here)."""
     if item.region is not None:
         yield from _plan_block(item, item.region, codec, files)
@@ -242,18 +108,18 @@ def _plan_item(item: StepItem, codec: Codec, files: _Files) -> Iterator[_Plan]:
 
 
 def _encode_chunk(item: StepItem, codec: Codec, plan: _Plan
-                  ) -> tuple[_PendingChunk, dict[str, torch.Tensor]]:
+                  ) -> tuple[PendingChunk, dict[str, torch.Tensor]]:
     """Encode positions ``[start, stop)`` of ``item``'s payload: the chunk and its tensors
     (safetensors key -> tensor). Runs on the encode pool."""
     start, stop, indices, region, codec_key = plan
     old = None if item.old_values is None else item.old_values[start:stop]
     roles, meta = codec.encode(indices, item.new_values[start:stop], old)
     keys = {role: codec.key(item.name, role, codec_key) for role in roles}
-    pending = _PendingChunk(item.name, keys, start, stop, dict(meta), region)
+    pending = PendingChunk(item.name, keys, start, stop, dict(meta), region)
     return pending, {keys[r]: t.reshape(-1).contiguous() for r, t in roles.items()}
 
 
-def _plan_block(item: StepItem, block: Region, codec: Codec, files: _Files) -> Iterator[_Plan]:
+def _plan_block(item: StepItem, block: Region, codec: Codec, files: DataFiles) -> Iterator[_Plan]:
     """Chunks of one block (a rank's shard) of a tensor, v2 only.
 
     Every chunk's region lies inside ``block``: either whole rows of it (a strided region,
@@ -410,10 +276,10 @@ def write_files(store: Store, loop: BackgroundLoop, facts: StepFacts, items: lis
     results into the manifest (``trainer/sharded.py``).
     """
     threads = encode_threads_for(options.encode_threads)
-    files = _Files(store, loop, facts.step, facts.kind, options.max_file_bytes, options.timeout_s,
+    files = DataFiles(store, loop, facts.step, facts.kind, options.max_file_bytes, options.timeout_s,
                    options.version, options.tokens[1], attempt)
     dense, sparse = get_codec("dense"), get_codec(options.codec)
-    pending: list[tuple[StepItem, Codec, list[_PendingChunk]]] = []
+    pending: list[tuple[StepItem, Codec, list[PendingChunk]]] = []
     for item in items:
         pending.append((item, dense if item.indices is None else sparse, []))
 
@@ -477,74 +343,5 @@ def commit_manifest(store: Store, loop: BackgroundLoop, manifest: Manifest,
     return replace(manifest, identity=manifest_identity(data))
 
 
-async def retain(store: Store, keep_anchors: int,
-                 known: MutableMapping[int, tuple[str, frozenset[str], str | None]], *,
-                 writer: str | None = None) -> list[str]:
-    """Delete this writer's steps older than its ``keep_anchors``-th newest anchor, and its orphans.
-
-    Ownership (docs/format.md §10): a manifest belongs to its ``writer`` token, or is v1
-    (anonymous, writer None); a data folder belongs to the writer token in its name
-    (``token_writer``), or is v1 (a token without a writer). ``writer``: this writer's token
-    (format v2, v3). Only manifests and data folders carrying it are deleted, plus v1
-    (anonymous) steps older than the cutoff. ``writer=None`` (a v1 publisher) deletes only v1
-    manifests and v1 data folders: older than the cutoff, or orphans. Never deleted: another
-    writer's manifests and data, a manifest that does not parse or that holds another step
-    than its name (unknown owner), and data of such a step. Orphans are data folders of steps
-    at or before the writer's newest committed step that the manifest of that step does not
-    reference (attempts killed before their manifest). ``known`` caches
-    ``step -> (kind, data folders, writer)`` between calls. Returns the deleted paths.
-    """
-    from vllm_deltasync.errors import NotFoundError  # here: the module's imports are shared
-
-    objects = await store.list()
-    manifests = {s: o.path for o in objects if (s := parse_manifest_path(o.path)) is not None}
-    if not manifests:
-        return []
-    for step in manifests.keys() - known.keys():
-        try:
-            m = Manifest.from_json(await store.read(manifests[step]), source=manifests[step])
-        except (FormatError, NotFoundError):
-            continue  # unreadable (or gone): its owner is unknown, it is never deleted
-        if m.step != step:
-            continue  # a manifest of another step under this name: unknown owner, kept
-        known[step] = (m.kind, frozenset(f.path.rsplit("/", 1)[0] for f in m.files), m.writer)
-
-    def owner(step: int) -> str | None:
-        return known[step][2]
-
-    mine = [s for s in manifests if s in known and owner(s) == writer]
-    if not mine:
-        return []  # nothing of its own committed: no cutoff, no newest step for orphans
-    anchors = sorted(s for s in mine if known[s][0] == "anchor")
-    cutoff = anchors[-keep_anchors] if len(anchors) >= keep_anchors else -1
-    newest = max(mine)
-    # own steps, and v1 (anonymous, readable) steps, older than the cutoff (for writer None
-    # both are the v1 steps)
-    doomed_steps = {s for s in manifests if s < cutoff and s in known and owner(s) in (writer, None)}
-    doomed_manifests = [manifests[s] for s in sorted(doomed_steps)]
-    doomed_data = []
-    for o in objects:
-        parsed = parse_data_path(o.path)
-        if parsed is None:
-            continue
-        step, token = parsed
-        by = token_writer(token)
-        if by is not None and by != writer:
-            continue  # another writer's data: never
-        if step in manifests and step not in known:
-            continue  # its step's manifest is unreadable: it may reference this folder
-        referenced = step in known and data_dir(step, token) in known[step][1]
-        if referenced and step not in doomed_steps:
-            continue  # data of a kept step (whoever's manifest references it)
-        if by is None and writer is not None:  # v1 data, seen by a v2/v3 writer: old only
-            if step < cutoff:
-                doomed_data.append(o.path)
-            continue
-        orphan = step <= newest and not referenced
-        if step < cutoff or orphan:
-            doomed_data.append(o.path)
-    await store.delete(doomed_manifests)  # manifests first: no reader sees a step losing data
-    await store.delete(doomed_data)
-    for step in [s for s in known if s in doomed_steps]:
-        del known[step]
-    return doomed_manifests + doomed_data
+__all__ = ["MAX_ENCODE_THREADS", "StepFacts", "StepItem", "WriteOptions", "commit_manifest",
+           "encode_threads_for", "retain", "write_files", "write_step"]

@@ -24,12 +24,12 @@ from vllm_deltasync.errors import AlreadyExistsError, FormatError, NotFoundError
 from vllm_deltasync.format._listing import read_manifest, skipped_line
 from vllm_deltasync.format.layout import MANIFEST_DIR, manifest_path, parse_manifest_path
 from vllm_deltasync.format.manifest import Kind, Manifest, Totals
+from vllm_deltasync.format.retention import retain
 from vllm_deltasync.format.writer import (
     StepFacts,
     StepItem,
     WriteOptions,
     commit_manifest,
-    retain,
     write_files,
     write_step,
 )
