@@ -60,7 +60,7 @@ def _publish(threads: int, monkeypatch: pytest.MonkeyPatch, *, codec: str = "spa
     monkeypatch.setattr(writer.time, "time", lambda: 1234.5)
     name = f"threads-{next(_NAMES)}"
     store = open_store(f"memory://{name}")
-    facts = StepFacts(1, "delta", 0, 0, "fp", (10, 10), base_id="ab" * 32 if version >= 2 else None)
+    facts = StepFacts(1, "delta", 0, 0, "sha256:" + "0" * 64, (10, 10), base_id="sha256:" + "ab" * 32 if version >= 2 else None)
     options = WriteOptions(codec, max_file_bytes=16 << 10, timeout_s=60, version=version,
                            run_id=_TOKEN if version >= 2 else None,
                            writer=_TOKEN if version >= 2 else None, encode_threads=threads)

@@ -27,13 +27,9 @@ from vllm_deltasync.format._manifest_entries import (
     Totals,
 )
 from vllm_deltasync.format._manifest_json import expand, file_indexes, is_int, read_document
+from vllm_deltasync.format.limits import MAX_STEP, name_problem, shape_problem, shown, step_problem
 
 _HEX_ID = re.compile(r"[0-9a-f]{8,64}")
-MAX_NDIM = 8
-"""Most dimensions a tensor may have."""
-MAX_NUMEL = 1 << 40
-"""Most elements one tensor may claim (2 TiB of bf16): a larger claim is refused by the parser
-before anything is sized by it."""
 MAX_INT = (1 << 53) - 1
 """Largest integer any manifest field may hold (sizes, offsets, counts; exact in JSON doubles)."""
 _BAD_PATH_CHARS = re.compile(r"[\x00-\x1f\x7f\\]")
@@ -78,7 +74,7 @@ def _from_dict(doc: Any) -> dict[str, Any]:
     version = doc.get("schema_version")
     if version not in READS:
         raise UnsupportedFormatError(_too_new(version, doc.get("requires")))
-    step = _int(doc, "step")
+    step = _int(doc, "step", maximum=MAX_STEP)
     kind, base, anchor = _chain_fields(doc, step)
     files = tuple(_file_from_dict(f, version) for f in doc["files"])
     sizes = [f.size for f in files]
@@ -110,8 +106,8 @@ def _from_dict(doc: Any) -> dict[str, Any]:
         raise FormatError(f"field 'base_id' must be 'sha256:<64 hex>' on a delta, got "
                           f"{str(base_id)[:80]!r} on a{'n' if kind == 'anchor' else ''} {kind}")
     resumed = doc.get("resumed_from")
-    if resumed is not None:
-        resumed = _int(doc, "resumed_from")
+    if resumed is not None and (problem := step_problem(resumed)) is not None:
+        raise FormatError(f"field 'resumed_from' = {shown(resumed)} {problem}")
     return dict(step=step, kind=kind, base_step=base, anchor_step=anchor, created_at=float(created),
                 fingerprint=fp, files=files, tensors=tensors, totals=totals,
                 schema_version=version, run_id=run_id, writer=writer, requires=requires,
@@ -147,14 +143,14 @@ def _check_file_index(files: Sequence[FileEntry], tensors: Sequence[TensorEntry]
 
 def _chain_fields(doc: Mapping[str, Any], step: int) -> tuple[Kind, int | None, int]:
     kind = doc["kind"]
-    anchor = _int(doc, "anchor_step")
+    anchor = _int(doc, "anchor_step", maximum=MAX_STEP)
     if kind == "anchor":
         if doc["base_step"] is not None or anchor != step:
             raise FormatError("an anchor has base_step null and anchor_step equal to its step")
         return "anchor", None, anchor
     if kind != "delta":
         raise FormatError(f"kind {kind!r} is neither 'anchor' nor 'delta'")
-    base = _int(doc, "base_step")
+    base = _int(doc, "base_step", maximum=MAX_STEP)
     if not anchor <= base < step:
         raise FormatError(f"a delta needs anchor_step <= base_step < step, got {anchor}, {base}, {step}")
     return "delta", base, anchor
@@ -186,21 +182,17 @@ def _file_from_dict(doc: Mapping[str, Any], version: int) -> FileEntry:
 
 def _tensor_from_dict(doc: Mapping[str, Any], sizes: Sequence[int], version: int,
                       requires: Any) -> TensorEntry:
-    name = _str(doc, "name")
-    if len(name) > 1024 or "\x00" in name:
-        raise FormatError(f"tensor name {name[:80]!r}...: longer than 1024 characters or holds NUL")
+    name = doc["name"]
+    problem = name_problem(name)
+    if problem is not None:
+        raise FormatError(f"tensor {str(name)[:80]!r} {problem}")
     raw_shape = doc["shape"]
-    if not isinstance(raw_shape, list) or len(raw_shape) > MAX_NDIM or not all(
-            is_int(d) and d >= 0 for d in raw_shape):
-        raise FormatError(f"tensor {name!r}: shape must be a list of at most {MAX_NDIM} integers "
-                          f">= 0, got {str(raw_shape)[:80]}")
+    problem = (shape_problem(raw_shape) if isinstance(raw_shape, list)
+               else f"has a shape of type {type(raw_shape).__name__}, not a list")
+    if problem is not None:
+        raise FormatError(f"tensor {name!r} {problem}")
     shape = tuple(raw_shape)
-    numel = 1
-    for d in shape:
-        numel *= d
-    if numel > MAX_NUMEL:
-        raise FormatError(f"tensor {name!r}: shape {list(shape)} claims {numel} elements, more "
-                          f"than a tensor may have ({MAX_NUMEL})")
+    numel = math.prod(shape)
     if version == 1:
         chunks = tuple(_chunk_from_dict(c, name, len(sizes)) for c in doc["chunks"])
         codec_version = 1
@@ -293,4 +285,4 @@ def _region(raw: Any, name: str, numel: int) -> Region:
     return region
 
 
-__all__ = ["MAX_INT", "MAX_NDIM", "MAX_NUMEL", "parse_manifest"]
+__all__ = ["MAX_INT", "parse_manifest"]

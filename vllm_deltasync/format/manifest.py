@@ -47,8 +47,9 @@ from vllm_deltasync.format._manifest_json import (
     min_reader,
     to_document,
 )
-from vllm_deltasync.format._manifest_schema import MAX_INT, MAX_NDIM, MAX_NUMEL, parse_manifest
+from vllm_deltasync.format._manifest_schema import MAX_INT, parse_manifest
 from vllm_deltasync.format.layout import manifest_path
+from vllm_deltasync.format.limits import MAX_NDIM, MAX_NUMEL
 
 
 def manifest_identity(data: bytes | memoryview) -> str:

@@ -33,6 +33,7 @@ from vllm_deltasync.format._datafiles import DataFiles, PendingChunk
 from vllm_deltasync.format.codec import Codec
 from vllm_deltasync.format.codecs import get_codec
 from vllm_deltasync.format.layout import manifest_path
+from vllm_deltasync.format.limits import name_problem, shape_problem, shown, step_problem
 from vllm_deltasync.format.manifest import (
     SCHEMA_VERSION,
     FileEntry,
@@ -228,6 +229,17 @@ class StepFacts:
     resumed_from: int | None = None
     """Format v2+ anchor, optional: the checkpoint step a restarted trainer resumed from."""
 
+    def __post_init__(self) -> None:
+        """The step numbers are ones a reader reads (``limits.py``); FormatError otherwise."""
+        if self.kind not in ("anchor", "delta"):
+            raise FormatError(f"step {self.step}: kind {self.kind!r} is neither 'anchor' nor 'delta'")
+        for label, value in (("step", self.step), ("anchor_step", self.anchor_step),
+                             ("base_step", self.base_step), ("resumed_from", self.resumed_from)):
+            problem = None if value is None and label in ("base_step", "resumed_from") else step_problem(value)
+            if problem is not None:
+                raise FormatError(f"step {self.step}: {label} = {shown(value)} {problem}; no "
+                                  "reader reads such a step")
+
 
 @dataclass(frozen=True)
 class WriteOptions:
@@ -275,6 +287,11 @@ def write_files(store: Store, loop: BackgroundLoop, facts: StepFacts, items: lis
     The ranks of a sharded job each call this for their own blocks; one of them merges the
     results into the manifest (``trainer/sharded.py``).
     """
+    for item in items:  # before anything is encoded or written
+        problem = name_problem(item.name) or shape_problem(item.shape)
+        if problem is not None:
+            raise FormatError(f"step {facts.step}: tensor {str(item.name)[:80]!r} {problem}; no "
+                              "reader reads such a tensor, nothing was written")
     threads = encode_threads_for(options.encode_threads)
     files = DataFiles(store, loop, facts.step, facts.kind, options.max_file_bytes, options.timeout_s,
                    options.version, options.tokens[1], attempt)
@@ -337,9 +354,16 @@ def write_step(store: Store, loop: BackgroundLoop, facts: StepFacts, items: list
 def commit_manifest(store: Store, loop: BackgroundLoop, manifest: Manifest,
                     timeout_s: float) -> Manifest:
     """Write ``manifest`` create-only (the commit point of its step; a committed step is never
-    rewritten) and return it with its ``identity``: the digest of exactly the bytes written."""
+    rewritten) and return it with its ``identity``: the digest of exactly the bytes written.
+    The bytes are first parsed as a reader parses them: a manifest a reader would refuse is a
+    FormatError here, and nothing is committed."""
     data = manifest.to_json()
-    loop.run(store.write(manifest_path(manifest.step), data), timeout_s)
+    path = manifest_path(manifest.step)
+    try:  # the reader's own validation, on exactly these bytes: never commit what it refuses
+        Manifest.from_json(data, source=f"step {manifest.step}'s manifest, not committed")
+    except FormatError as exc:
+        raise FormatError(f"{exc}; a reader would refuse it") from None
+    loop.run(store.write(path, data), timeout_s)
     return replace(manifest, identity=manifest_identity(data))
 
 

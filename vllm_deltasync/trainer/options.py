@@ -20,6 +20,7 @@ from typing import Any
 
 from vllm_deltasync.errors import ConfigError, FormatError
 from vllm_deltasync.format.codecs import get_codec
+from vllm_deltasync.format.limits import shown, step_problem
 from vllm_deltasync.format.manifest import SCHEMA_VERSION, Manifest
 
 _TOKEN = re.compile(r"[0-9a-f]{8,64}")
@@ -63,7 +64,7 @@ class PublisherOptions:
     writer token, no ranged reads)."""
     resumed_from: int | None = None
     """A trainer restarted from a checkpoint: the training step of that checkpoint (a step
-    number), recorded on the first anchor the publisher commits
+    number: 0 to 10**12 - 1), recorded on the first anchor the publisher commits
     (informative). A new publisher always starts with an anchor after every committed step,
     and servers follow identities (docs/trainer.md, "Restarting a trainer")."""
     previous_on: str = "device"
@@ -92,9 +93,9 @@ class PublisherOptions:
             if token is not None and not (isinstance(token, str) and _TOKEN.fullmatch(token)):
                 raise ConfigError(f"DeltaPublisher: {label}={token!r} must be 8-64 lowercase hex digits")
         resumed = self.resumed_from
-        if resumed is not None and (isinstance(resumed, bool) or not isinstance(resumed, int) or resumed < 0):
-            raise ConfigError(f"DeltaPublisher: resumed_from={resumed!r} must be a training "
-                              "step (an integer >= 0)")
+        if resumed is not None and (problem := step_problem(resumed)) is not None:
+            raise ConfigError(f"DeltaPublisher: resumed_from={shown(resumed)} {problem}; pass "
+                              "the training step of the checkpoint the trainer resumed from")
         if self.previous_on not in ("device", "host"):
             raise ConfigError(f"DeltaPublisher: previous_on={self.previous_on!r} must be 'device' "
                               "(the previous step's copy beside each parameter) or 'host'")

@@ -33,6 +33,13 @@ import torch
 from vllm_deltasync._loop import BackgroundLoop, default_loop
 from vllm_deltasync.errors import PublishError
 from vllm_deltasync.format._listing import newest_readable
+from vllm_deltasync.format.limits import (
+    MAX_NAME_CHARS,
+    name_problem,
+    shape_problem,
+    shown,
+    step_problem,
+)
 from vllm_deltasync.format.manifest import Region, fingerprint
 from vllm_deltasync.format.writer import StepFacts, StepItem
 from vllm_deltasync.stores import Store, open_store
@@ -159,9 +166,9 @@ class DeltaPublisher:
     def _check_step(self, step: int) -> None:
         if self._closed:
             raise PublishError(f"step {step}: the publisher is closed; open a new DeltaPublisher")
-        if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step < 10**12:
-            raise PublishError(f"step {step!r} must be an integer in [0, 10**12 - 1] (steps are "
-                               "named by 12 digits in the bucket)")
+        if step_problem(step) is not None:
+            raise PublishError(f"step {shown(step)} must be an integer in [0, 10**12 - 1] (steps "
+                               "are named by 12 digits in the bucket)")
         if self._last_step is not None and step <= self._last_step:
             raise PublishError(
                 f"step {step}: steps must increase; the newest step of {self._store.url} is "
@@ -194,10 +201,7 @@ class DeltaPublisher:
         try:
             self._check_step(step)
             for name, tensor in pairs:
-                if not isinstance(tensor, torch.Tensor) or not tensor.is_floating_point():
-                    kind = tensor.dtype if isinstance(tensor, torch.Tensor) else type(tensor).__name__
-                    raise PublishError(f"step {step}: tensor {name!r} is {kind}; only floating-point "
-                                       "parameters can be published (leave integer buffers out)")
+                _check_tensor(step, name, tensor)
                 if name in meta:
                     raise PublishError(f"step {step}: tensor {name!r} is given twice")
                 shards[name] = sharded.describe(name, tensor, self._group.rank)
@@ -266,12 +270,7 @@ class DeltaPublisher:
         snapshot: dict[str, torch.Tensor] = {}
         meta: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
         for name, tensor in pairs:
-            if not isinstance(tensor, torch.Tensor) or not tensor.is_floating_point():
-                kind = tensor.dtype if isinstance(tensor, torch.Tensor) else type(tensor).__name__
-                raise PublishError(
-                    f"step {step}: tensor {name!r} is {kind}; only floating-point parameters can "
-                    "be published (leave integer buffers out)"
-                )
+            _check_tensor(step, name, tensor)
             if name in snapshot:
                 raise PublishError(f"step {step}: tensor {name!r} is given twice")
             snapshot[name] = tensor
@@ -350,6 +349,22 @@ class DeltaPublisher:
         warning line naming it (format/_listing.py), never the step every publish is refused by."""
         newest = await newest_readable(self._store)
         return None if newest is None else newest[0]
+
+
+def _check_tensor(step: int, name: str, tensor: torch.Tensor) -> None:
+    """A floating-point tensor whose name and shape every reader reads (``format/limits.py``);
+    PublishError naming it and the fix otherwise."""
+    if not isinstance(tensor, torch.Tensor) or not tensor.is_floating_point():
+        kind = tensor.dtype if isinstance(tensor, torch.Tensor) else type(tensor).__name__
+        raise PublishError(f"step {step}: tensor {name!r} is {kind}; only floating-point "
+                           "parameters can be published (leave integer buffers out)")
+    problem = name_problem(name)
+    fix = (f"publish it under a name of 1 to {MAX_NAME_CHARS} characters without NUL"
+           if problem else "reshape it (at most 8 dimensions) or leave it out")
+    problem = problem or shape_problem(tuple(tensor.shape))
+    if problem is not None:
+        raise PublishError(f"step {step}: tensor {str(name)[:80]!r} {problem}, which no reader "
+                           f"reads; nothing of step {step} was published: {fix}")
 
 
 def _item(name: str, shape: tuple[int, ...], diff: Diff) -> StepItem:
