@@ -57,6 +57,7 @@ def _items(seed: int = 0, *, blocks: bool = True) -> list[StepItem]:
 def _publish(threads: int, monkeypatch: pytest.MonkeyPatch, *, codec: str = "sparse-v3",
              version: int = 3) -> dict[str, bytes]:
     monkeypatch.setattr(_datafiles.secrets, "token_hex", lambda n: _TOKEN[: 2 * n])
+    monkeypatch.setattr(writer, "INLINE_ELEMENTS", 0)  # small as the step is: through the pool
     monkeypatch.setattr(writer.time, "time", lambda: 1234.5)
     name = f"threads-{next(_NAMES)}"
     store = open_store(f"memory://{name}")

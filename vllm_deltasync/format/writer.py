@@ -21,7 +21,7 @@ import functools
 import os
 import time
 from collections.abc import Callable, Generator, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -49,6 +49,10 @@ from vllm_deltasync.stores import Store
 
 MAX_ENCODE_THREADS = 8
 """``encode_threads=0`` uses one thread per available core, at most this many."""
+INLINE_ELEMENTS = 1 << 20
+"""A step carrying fewer elements (changed ones, or an anchor's) encodes on the calling thread:
+its chunks encode in a few milliseconds, and the pool's hand-overs would cost more than they
+save (the bytes do not depend on it)."""
 
 
 def encode_threads_for(encode_threads: int) -> int:
@@ -183,29 +187,35 @@ def _plan_block(item: StepItem, block: Region, codec: Codec, files: DataFiles) -
         start = stop
 
 
-def _in_order(jobs: Iterator[tuple[int, Callable[[], Any]]], threads: int
-              ) -> Generator[tuple[int, Any], None, None]:
-    """``(tag, job())`` for each ``(tag, job)``, in order; ``threads > 1``: the jobs run on a pool,
-    at most ``2 * threads`` started and not yet taken. The first error is raised in order; jobs
-    not started then never start."""
+def _in_order(jobs: Iterator[tuple[int, Callable[[], Any]]], threads: int,
+              executor: Executor | None = None) -> Generator[tuple[int, Any], None, None]:
+    """``(tag, job())`` for each ``(tag, job)``, in order; ``threads > 1``: the jobs run on
+    ``executor`` (or a pool of ``threads`` made for this call), at most ``2 * threads`` started
+    and not yet taken. The first error is raised in order; jobs not started then never start."""
     if threads <= 1:
         for tag, job in jobs:
             yield tag, job()
         return
+    if executor is None:
+        with ThreadPoolExecutor(threads, thread_name_prefix="deltasync-encode") as pool:
+            yield from _in_order(jobs, threads, pool)
+        return
     window: collections.deque[tuple[int, Future[Any]]] = collections.deque()
-    with ThreadPoolExecutor(threads, thread_name_prefix="deltasync-encode") as pool:
-        try:
-            for tag, job in jobs:
-                window.append((tag, pool.submit(job)))
-                if len(window) >= 2 * threads:
-                    tag0, future = window.popleft()
-                    yield tag0, future.result()
-            while window:
+    try:
+        for tag, job in jobs:
+            window.append((tag, executor.submit(job)))
+            if len(window) >= 2 * threads:
                 tag0, future = window.popleft()
                 yield tag0, future.result()
-        finally:
-            for _, future in window:
-                future.cancel()
+        while window:
+            tag0, future = window.popleft()
+            yield tag0, future.result()
+    finally:
+        for _, future in window:
+            future.cancel()
+        for _, future in window:  # a job already running ends before the caller goes on
+            if not future.cancelled():
+                future.exception()
 
 
 @dataclass(frozen=True)
@@ -279,22 +289,34 @@ class WriteOptions:
 
 
 def write_files(store: Store, loop: BackgroundLoop, facts: StepFacts, items: list[StepItem],
-                options: WriteOptions, *, attempt: str | None = None,
+                options: WriteOptions, *, attempt: str | None = None, executor: Executor | None = None,
                 ) -> tuple[tuple[FileEntry, ...], tuple[TensorEntry, ...]]:
     """Encode ``items`` and write their data files (one attempt folder); no manifest.
 
     Returns the file entries and one tensor entry per item, chunks numbered into those files.
     The ranks of a sharded job each call this for their own blocks; one of them merges the
-    results into the manifest (``trainer/sharded.py``).
+    results into the manifest (``trainer/sharded.py``). ``executor``: the pool that encodes
+    (one of ``options.encode_threads`` threads is made for the call if None).
     """
+    files, entries = _encode_and_pack(store, loop, facts, items, options, attempt, executor)
+    return files.wait(), entries
+
+
+def _encode_and_pack(store: Store, loop: BackgroundLoop, facts: StepFacts, items: list[StepItem],
+                     options: WriteOptions, attempt: str | None, executor: Executor | None,
+                     ) -> tuple[DataFiles, tuple[TensorEntry, ...]]:
+    """Encode ``items`` into data files; the last file's write is started, not waited for
+    (``DataFiles.wait``). Returns the files and one tensor entry per tensor."""
     for item in items:  # before anything is encoded or written
         problem = name_problem(item.name) or shape_problem(item.shape)
         if problem is not None:
             raise FormatError(f"step {facts.step}: tensor {str(item.name)[:80]!r} {problem}; no "
                               "reader reads such a tensor, nothing was written")
     threads = encode_threads_for(options.encode_threads)
+    if sum(item.new_values.numel() for item in items) < INLINE_ELEMENTS:
+        threads = 1  # a small step: handing its chunks to other threads costs more than it saves
     files = DataFiles(store, loop, facts.step, facts.kind, options.max_file_bytes, options.timeout_s,
-                   options.version, options.tokens[1], attempt)
+                      options.version, options.tokens[1], attempt)
     dense, sparse = get_codec("dense"), get_codec(options.codec)
     pending: list[tuple[StepItem, Codec, list[PendingChunk]]] = []
     for item in items:
@@ -306,12 +328,14 @@ def write_files(store: Store, loop: BackgroundLoop, facts: StepFacts, items: lis
                 yield k, functools.partial(_encode_chunk, item, codec_of, plan)
 
     try:
-        with contextlib.closing(_in_order(jobs(), threads)) as encoded:  # an error: the pool stops
-            for k, (chunk, tensors) in encoded:
+        with contextlib.closing(_in_order(jobs(), threads, executor)) as encoded:
+            for k, (chunk, tensors) in encoded:  # an error: the pool stops
                 files.add(pending[k][0].name, tensors, chunk)
                 pending[k][2].append(chunk)
-    finally:
-        file_entries = files.finish()
+        files.flush()
+    except BaseException:
+        files.wait_quietly()
+        raise
     merged: dict[str, TensorEntry] = {}  # several blocks of one tensor: one entry
     for item, c, chunks in pending:
         entry = merged.get(item.name)
@@ -322,50 +346,66 @@ def write_files(store: Store, loop: BackgroundLoop, facts: StepFacts, items: lis
         else:
             merged[item.name] = replace(entry, changed=entry.changed + item.changed,
                                         chunks=entry.chunks + new)
-    return file_entries, tuple(merged.values())
+    return files, tuple(merged.values())
 
 
 def write_step(store: Store, loop: BackgroundLoop, facts: StepFacts, items: list[StepItem],
-               options: WriteOptions) -> Manifest:
+               options: WriteOptions, *, executor: Executor | None = None) -> Manifest:
     """Write the data files of one step, then its manifest. Returns the committed manifest,
     its ``identity`` set from the bytes written.
 
     Format ``version`` 3 (default) and 2 need ``run_id`` and ``writer`` and write ``base_id``
     (a delta) and ``resumed_from`` (an anchor, optional); 1 writes the old format (no writer
-    token, no identities, chunks placed by position).
+    token, no identities, chunks placed by position). The manifest is built, serialized and
+    checked while the last data file is still being written; it is written once every data
+    file is. ``executor``: as in ``write_files``.
     """
     run_id, writer = options.tokens
     if options.version >= 2 and not (run_id and writer):
         raise ConfigError(f"write_step: format version {options.version} needs run_id and writer")
-    file_entries, entries = write_files(store, loop, facts, items, options)
-    v2 = options.version >= 2
-    manifest = Manifest(
-        step=facts.step, kind=facts.kind, base_step=facts.base_step, anchor_step=facts.anchor_step,
-        created_at=time.time(), fingerprint=facts.fingerprint, files=file_entries, tensors=entries,
-        totals=Totals(facts.totals[0], facts.totals[1], sum(e.changed for e in entries),
-                      sum(f.size for f in file_entries)),
-        schema_version=options.version, run_id=run_id, writer=writer,
-        base_id=facts.base_id if v2 and facts.kind == "delta" else None,
-        resumed_from=facts.resumed_from if v2 and facts.kind == "anchor" else None,
-    )
-    return commit_manifest(store, loop, manifest, options.timeout_s)
+    files, entries = _encode_and_pack(store, loop, facts, items, options, None, executor)
+    try:
+        v2 = options.version >= 2
+        manifest = Manifest(
+            step=facts.step, kind=facts.kind, base_step=facts.base_step,
+            anchor_step=facts.anchor_step, created_at=time.time(), fingerprint=facts.fingerprint,
+            files=tuple(files.entries), tensors=entries,
+            totals=Totals(facts.totals[0], facts.totals[1], sum(e.changed for e in entries),
+                          sum(f.size for f in files.entries)),
+            schema_version=options.version, run_id=run_id, writer=writer,
+            base_id=facts.base_id if v2 and facts.kind == "delta" else None,
+            resumed_from=facts.resumed_from if v2 and facts.kind == "anchor" else None,
+        )
+        data = manifest_bytes(manifest)
+    except BaseException:
+        files.wait_quietly()
+        raise
+    files.wait()  # every data file is written before the manifest commits the step
+    loop.run(store.write(manifest_path(manifest.step), data), options.timeout_s)
+    return replace(manifest, identity=manifest_identity(data))
+
+
+def manifest_bytes(manifest: Manifest) -> bytes:
+    """The document of ``manifest``, parsed back as a reader parses it: FormatError ("... a
+    reader would refuse it") for a manifest a reader would refuse."""
+    data = manifest.to_json()
+    try:  # the reader's own validation, on exactly these bytes: never commit what it refuses
+        Manifest.from_json(data, source=f"step {manifest.step}'s manifest, not committed")
+    except FormatError as exc:
+        raise FormatError(f"{exc}; a reader would refuse it") from None
+    return data
 
 
 def commit_manifest(store: Store, loop: BackgroundLoop, manifest: Manifest,
                     timeout_s: float) -> Manifest:
     """Write ``manifest`` create-only (the commit point of its step; a committed step is never
     rewritten) and return it with its ``identity``: the digest of exactly the bytes written.
-    The bytes are first parsed as a reader parses them: a manifest a reader would refuse is a
-    FormatError here, and nothing is committed."""
-    data = manifest.to_json()
-    path = manifest_path(manifest.step)
-    try:  # the reader's own validation, on exactly these bytes: never commit what it refuses
-        Manifest.from_json(data, source=f"step {manifest.step}'s manifest, not committed")
-    except FormatError as exc:
-        raise FormatError(f"{exc}; a reader would refuse it") from None
-    loop.run(store.write(path, data), timeout_s)
+    The bytes are first parsed as a reader parses them (``manifest_bytes``): a manifest a reader
+    would refuse is a FormatError here, and nothing is committed."""
+    data = manifest_bytes(manifest)
+    loop.run(store.write(manifest_path(manifest.step), data), timeout_s)
     return replace(manifest, identity=manifest_identity(data))
 
 
 __all__ = ["MAX_ENCODE_THREADS", "StepFacts", "StepItem", "WriteOptions", "commit_manifest",
-           "encode_threads_for", "retain", "write_files", "write_step"]
+           "encode_threads_for", "manifest_bytes", "retain", "write_files", "write_step"]

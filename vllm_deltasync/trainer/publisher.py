@@ -76,6 +76,7 @@ class DeltaPublisher:
         self._store: Store = open_store(url, **dict(options.store_options or {}))
         self._published = False  # a first step was diffed (the differ holds its baselines)
         self._meta: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+        self._set_facts: tuple[dict[str, Any], str, tuple[int, int]] | None = None
         self._last_step: int | None = self._run(self._newest_step())
         self._since_anchor = 0
         self._anchor_step = -1
@@ -324,8 +325,7 @@ class DeltaPublisher:
             else:  # a shard: one item per block, in the local piece's flat order
                 items.extend(_block_items(name, shape, diff, blocks[name]))
         self._published = True
-        fp = fingerprint((name, shape, "bfloat16") for name, (shape, _) in self._meta.items())
-        totals = (len(self._meta), sum(math.prod(shape) for shape, _ in self._meta.values()))
+        fp, totals = self._parameter_set()
         part_of = blocks is not None
         if anchor:
             self._anchor_step, self._since_anchor, self._force_anchor = step, 0, False
@@ -349,6 +349,15 @@ class DeltaPublisher:
         warning line naming it (format/_listing.py), never the step every publish is refused by."""
         newest = await newest_readable(self._store)
         return None if newest is None else newest[0]
+
+
+    def _parameter_set(self) -> tuple[str, tuple[int, int]]:
+        """The fingerprint and totals of the parameter set (kept while it stays the same)."""
+        if self._set_facts is None or self._set_facts[0] != self._meta:
+            fp = fingerprint((name, shape, "bfloat16") for name, (shape, _) in self._meta.items())
+            totals = (len(self._meta), sum(math.prod(shape) for shape, _ in self._meta.values()))
+            self._set_facts = (dict(self._meta), fp, totals)
+        return self._set_facts[1], self._set_facts[2]
 
 
 def _check_tensor(step: int, name: str, tensor: torch.Tensor) -> None:

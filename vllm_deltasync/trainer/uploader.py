@@ -16,6 +16,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -23,13 +24,14 @@ from vllm_deltasync._loop import BackgroundLoop
 from vllm_deltasync.errors import AlreadyExistsError, FormatError, NotFoundError, PublishError
 from vllm_deltasync.format._listing import read_manifest, skipped_line
 from vllm_deltasync.format.layout import MANIFEST_DIR, manifest_path, parse_manifest_path
-from vllm_deltasync.format.manifest import Kind, Manifest, Totals
+from vllm_deltasync.format.manifest import Kind, Manifest, Totals, manifest_identity
 from vllm_deltasync.format.retention import retain
 from vllm_deltasync.format.writer import (
     StepFacts,
     StepItem,
     WriteOptions,
     commit_manifest,
+    encode_threads_for,
     write_files,
     write_step,
 )
@@ -92,6 +94,7 @@ class Uploader:
         self.run_id, self.writer_token = run_id, writer_token
         self.write_options = self._write_options()
         self.group: sharded.RankGroup | None = None
+        self._pool: ThreadPoolExecutor | None = None
         self._release = release
         self._error: BaseException | None = None
         self._failed = False
@@ -146,9 +149,12 @@ class Uploader:
         self._error, self._failed = None, False
 
     def stop(self) -> None:
-        """Commit what is queued, then end the thread."""
+        """Commit what is queued, then end the thread (and the encode pool)."""
         self._queue.put(None)
         self._thread.join()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
 
     # ------------------------------------------------------------------ upload thread
     def _work(self) -> None:
@@ -188,8 +194,9 @@ class Uploader:
         if manifest is None:  # not the committing rank: its files and part are written
             self._count(job, None, time.perf_counter() - started)
             return
+        size = None
         if v2:  # hf:// has no atomic create: read the commit back to see who won a race
-            other = self._run(self._writer_of(job.step))
+            size, other = self._run(self._read_back(job.step, manifest.identity))
             if other is not None and other[0] != self.writer_token:
                 raise PublishError(self._conflict(job.step, other))
         self._seen_step = job.step
@@ -203,7 +210,7 @@ class Uploader:
             self._run(retain(self.store, self.options.keep_anchors, self._kinds,
                              writer=self.writer_token if v2 else None))
         elapsed = time.perf_counter() - started
-        self._count(job, manifest, elapsed)
+        self._count(job, manifest, elapsed, size)
         log.info("committed step=%d kind=%s changed=%d bytes=%d in %.3fs", job.step, job.kind,
                  manifest.totals.changed, manifest.totals.bytes, elapsed)
         if self.options.on_commit is not None:
@@ -211,17 +218,27 @@ class Uploader:
 
     def _write_step(self, job: UploadJob) -> Manifest:
         facts = replace(job.facts, base_id=self._base_id(job), resumed_from=self._resumed_from(job))
-        return write_step(self.store, self.loop, facts, job.items, self.write_options)
+        return write_step(self.store, self.loop, facts, job.items, self.write_options,
+                          executor=self._encoders())
 
-    def _count(self, job: UploadJob, manifest: Manifest | None, elapsed: float) -> None:
-        """Stats of one step: committed (``manifest``), or a part written by a non-committing rank."""
+    def _encoders(self) -> ThreadPoolExecutor:
+        """The pool that encodes chunks, made at the first step and kept (upload thread)."""
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(encode_threads_for(self.options.encode_threads),
+                                            thread_name_prefix="deltasync-encode")
+        return self._pool
+
+    def _count(self, job: UploadJob, manifest: Manifest | None, elapsed: float,
+               size: int | None = None) -> None:
+        """Stats of one step: committed (``manifest``, ``size`` bytes of it where known), or a
+        part written by a non-committing rank."""
         stats = self.stats
         stats.steps += 1
         stats.anchors += job.kind == "anchor"
         stats.upload_s += elapsed
         stats.per_step.append((job.step, job.diff_s, elapsed))
         if manifest is not None:
-            stats.bytes_written += manifest.totals.bytes + len(manifest.to_json())
+            stats.bytes_written += manifest.totals.bytes + (size or len(manifest.to_json()))
             stats.last_manifest = manifest
 
     def _commit_part(self, job: UploadJob) -> Manifest | None:
@@ -230,7 +247,7 @@ class Uploader:
         assert group is not None
         attempt = group.attempt()
         files, tensors = write_files(self.store, self.loop, job.facts, job.items, self.write_options,
-                                     attempt=attempt)
+                                     attempt=attempt, executor=self._encoders())
         sharded.failpoint(group.rank, job.step)
         facts = job.facts
         template = Manifest(step=facts.step, kind=facts.kind, base_step=facts.base_step,
@@ -278,6 +295,23 @@ class Uploader:
             self._run(self.store.write(path, why.encode("utf-8"), overwrite=True))
         except Exception as exc:
             log.warning("could not write %s: %s", path, exc)
+
+    async def _read_back(self, step: int, identity: str | None) -> tuple[int | None, tuple[str, str] | None]:
+        """The committed manifest of ``step``: ``(its size, None)`` when it is the one this
+        publisher wrote (bytes of ``identity``), else ``(None, (writer, run_id))`` of whoever
+        wrote it (``(None, None)``: absent or unreadable, no writer to name)."""
+        path = manifest_path(step)
+        try:
+            data = await self.store.read(path)
+        except Exception:  # absent, unreadable: no writer to name
+            return None, None
+        if identity is not None and manifest_identity(data) == identity:
+            return len(data), None
+        try:
+            m = Manifest.from_json(data, source=path)
+        except Exception:
+            return None, None
+        return None, ((m.writer, m.run_id or "?") if m.writer else ("(format v1, anonymous)", "?"))
 
     async def _writer_of(self, step: int) -> tuple[str, str] | None:
         """``(writer, run_id)`` of the committed manifest of ``step`` (None: absent or v1)."""
