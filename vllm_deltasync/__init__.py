@@ -38,6 +38,7 @@ from vllm_deltasync.errors import (
 from vllm_deltasync.format.manifest import Manifest
 from vllm_deltasync.format.reader import BucketReader
 from vllm_deltasync.stores import open_store
+from vllm_deltasync.trainer.options import PublisherOptions
 from vllm_deltasync.trainer.publisher import DeltaPublisher
 
 _moved.install()
@@ -69,6 +70,7 @@ __all__ = [
     "Manifest",
     "NotFoundError",
     "PublishError",
+    "PublisherOptions",
     "RateLimitedError",
     "StoreError",
     "TransientStoreError",

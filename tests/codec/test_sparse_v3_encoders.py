@@ -12,7 +12,9 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 
+from vllm_deltasync.format import _sparse_v3_encoder as encoder
 from vllm_deltasync.format import sparse_v3
+from vllm_deltasync.format._sparse_v3_decoder import zstd_module
 from vllm_deltasync.format.codecs import get_codec
 
 from .conftest import SPECIAL_BITS, bits_to_bf16
@@ -122,22 +124,22 @@ def test_every_high_bits_choice_matches(kernels: Any) -> None:
     idx = (torch.cumsum(gaps, 0) - gaps[0]).numpy()
     diff = torch.randint(-40, 41, (n,), generator=g).to(torch.int16).numpy()
     diff[::53] = -32768
-    scan, build = kernels
+    scan, build, tables = kernels
     joint = np.zeros(65536, np.int64)
     used = scan(idx, diff, joint)
     high = np.diff(idx, prepend=idx[0]) >> 8
-    assert np.array_equal(joint.reshape(256, 256), sparse_v3._joint_histogram(high, sparse_v3._zigzag_code(diff)))
-    assert tuple(used) == (min(int(high.max()), 255), min(int(sparse_v3._zigzag_code(diff).max()), 255))
+    assert np.array_equal(joint.reshape(256, 256), encoder._joint_histogram(high, encoder._zigzag_code(diff)))
+    assert tuple(used) == (min(int(high.max()), 255), min(int(encoder._zigzag_code(diff).max()), 255))
     for bounds in (None, (used[0] + 1, used[1] + 1), (256, 256)):  # any bounds: the same choice
-        assert sparse_v3._choose_high_bits(joint.reshape(256, 256), n, bounds) == \
-            sparse_v3._choose_high_bits(sparse_v3._joint_histogram(high, sparse_v3._zigzag_code(diff)), n)
+        assert encoder._choose_high_bits(joint.reshape(256, 256), n, bounds, tables) == \
+            encoder._choose_high_bits(encoder._joint_histogram(high, encoder._zigzag_code(diff)), n)
     for hb in range(1, 9):
         low, fields = np.empty(n, np.uint8), np.empty(n, np.uint8)
         high_over, value_over = np.empty(n, "<u4"), np.empty(n, "<i2")
         he, ve = build(idx, diff, hb, low, fields, high_over, value_over)
         hm = (1 << hb) - 1
         want_fields = np.minimum(high, hm).astype(np.uint8)
-        codes = sparse_v3._zigzag_code(diff)
+        codes = encoder._zigzag_code(diff)
         if hb < 8:
             vm = (1 << (8 - hb)) - 1
             want_fields |= np.minimum(codes, vm).astype(np.uint8) << np.uint8(hb)
@@ -151,14 +153,14 @@ def test_every_high_bits_choice_matches(kernels: Any) -> None:
 
 def test_frames_of_the_old_zstd_parameters_still_decode(monkeypatch: pytest.MonkeyPatch) -> None:
     """0.4.0 compressed with btopt at level 15: its frames decode to the same elements."""
-    zstd = sparse_v3._zstd()
+    zstd = zstd_module()
     old, new = _step(300_000, 0.01, "mixed")
     idx = _changed(old, new)
     roles, meta = V3.encode(idx, new[idx], old[idx])
     assert meta["compression"] == "zstd"
     body = V3.decode(roles, meta, idx.numel())
     sections: list[bytes] = []
-    monkeypatch.setattr(sparse_v3, "_compress", lambda s, level: sections.extend(s) or b"\0" * 10**9)
+    monkeypatch.setattr(encoder, "_compress", lambda s, level: sections.extend(s) or b"\0" * 10**9)
     V3.encode(idx, new[idx], old[idx])  # captures the sections (the huge fake frame loses)
     params = zstd.ZstdCompressionParameters.from_level(
         15, window_log=17, chain_log=12, hash_log=12, search_log=1, min_match=7,

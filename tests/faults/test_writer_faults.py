@@ -49,8 +49,7 @@ def _scenario(store: Any, hub: Any) -> dict[str, Any]:
         error = exc
     finally:
         first._closed = True
-        first._queue.put(None)
-        first._thread.join()
+        first._uploader.stop()
     for step in range(4, 8):
         tb.step()
         second.publish(step, tb.weights)

@@ -58,7 +58,7 @@ def test_public_api_is_pinned() -> None:
         "AlreadyExistsError", "ApplyError", "AuthError", "BucketReader", "ChainError",
         "ConfigError", "DeltaPublisher", "DeltaSyncError", "DeltaSyncExtension",
         "FingerprintError", "FormatError", "IntegrityError", "Manifest", "NotFoundError",
-        "PublishError", "RateLimitedError", "StoreError", "TransientStoreError",
+        "PublishError", "PublisherOptions", "RateLimitedError", "StoreError", "TransientStoreError",
         "UnsupportedFormatError", "__version__", "open_store",
     ]
     for name in vllm_deltasync.__all__:

@@ -182,3 +182,38 @@ def test_previous_on_is_checked(bucket: str) -> None:
         DeltaPublisher(bucket, previous_on="gpu")
     with pytest.raises(ConfigError, match="encode_threads=-1 must be an integer >= 0"):
         DeltaPublisher(bucket, encode_threads=-1)
+
+
+def test_shares_balance_the_elements_and_cover_every_tensor() -> None:
+    sizes = {"big": 4_000_000, "mid": 700_000, **{f"s{i}": 512 for i in range(17)},
+             **{f"m{i}": 260_000 for i in range(20)}}
+    shares = diff_mod._shares(list(sizes), sizes, 3)
+    assert sorted(n for share in shares for n in share) == sorted(sizes)
+    loads = [sum(sizes[n] for n in share) for share in shares]
+    assert max(loads) - min(loads) <= max(sizes.values())
+    assert diff_mod._shares(["a"], {"a": 0}, 2) == [["a"], []]
+
+
+@pytest.mark.parametrize("threads", [2, 3])
+def test_diff_all_on_threads_equals_one_thread(kernel: str, threads: int) -> None:
+    """Many tensors (the calling thread and the pool each diff a share): every diff and every
+    baseline equal those of one thread."""
+    gen = torch.Generator().manual_seed(9)
+    sizes = [5_000, 513, 70_001, 3, 200_000, 1_000, 9]
+    ws = {f"t{i}": torch.randn(n, generator=gen).to(torch.bfloat16) for i, n in enumerate(sizes)}
+    one, many = Differ(threads=1), Differ(threads=threads)
+    for step in range(4):
+        a = one.diff_all(ws, full=step == 0)
+        b = many.diff_all(ws, full=step == 0)
+        assert list(a) == list(b) == list(ws)
+        for name in ws:
+            assert a[name].changed == b[name].changed
+            for x, y in ((a[name].indices, b[name].indices), (a[name].new, b[name].new),
+                         (a[name].old, b[name].old)):
+                assert (x is None and y is None) or (
+                    x is not None and y is not None and np.array_equal(_bits(x) if x.dtype == torch.bfloat16 else x.numpy(),
+                                                                       _bits(y) if y.dtype == torch.bfloat16 else y.numpy()))
+            assert torch.equal(one._base[name].bits, many._base[name].bits)
+        for w in ws.values():
+            w.view(torch.int16)[:: 37] += 1
+    many.close()

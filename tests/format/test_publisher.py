@@ -151,7 +151,7 @@ def test_failed_manifest_write_hides_the_step_and_next_is_an_anchor(tmp_path: Pa
         for step in range(3):
             trainer.step()
             pub.publish(step, trainer.weights)
-        pub._queue.join()  # let the upload thread reach the failure
+        pub._uploader.join()  # let the upload thread reach the failure
         trainer.step()
         with pytest.raises(TransientStoreError, match="injected failure"):
             pub.publish(3, trainer.weights)

@@ -12,9 +12,16 @@ import torch
 
 from vllm_deltasync._loop import default_loop
 from vllm_deltasync.errors import ConfigError
-from vllm_deltasync.format import writer
+from vllm_deltasync.format import _datafiles, writer
 from vllm_deltasync.format.manifest import Region
-from vllm_deltasync.format.writer import StepItem, encode_threads_for, write_files, write_step
+from vllm_deltasync.format.writer import (
+    StepFacts,
+    StepItem,
+    WriteOptions,
+    encode_threads_for,
+    write_files,
+    write_step,
+)
 from vllm_deltasync.stores import memory, open_store
 
 _NAMES = itertools.count()
@@ -49,14 +56,16 @@ def _items(seed: int = 0, *, blocks: bool = True) -> list[StepItem]:
 
 def _publish(threads: int, monkeypatch: pytest.MonkeyPatch, *, codec: str = "sparse-v3",
              version: int = 3) -> dict[str, bytes]:
-    monkeypatch.setattr(writer.secrets, "token_hex", lambda n: _TOKEN[: 2 * n])
+    monkeypatch.setattr(_datafiles.secrets, "token_hex", lambda n: _TOKEN[: 2 * n])
+    monkeypatch.setattr(writer, "INLINE_ELEMENTS", 0)  # small as the step is: through the pool
     monkeypatch.setattr(writer.time, "time", lambda: 1234.5)
     name = f"threads-{next(_NAMES)}"
     store = open_store(f"memory://{name}")
-    write_step(store, default_loop(), 1, "delta", 0, 0, "fp", (10, 10), _items(blocks=version >= 2), codec=codec,
-               max_file_bytes=16 << 10, timeout_s=60, version=version,
-               run_id=_TOKEN if version >= 2 else None, writer=_TOKEN if version >= 2 else None,
-               base_id="ab" * 32 if version >= 2 else None, encode_threads=threads)
+    facts = StepFacts(1, "delta", 0, 0, "sha256:" + "0" * 64, (10, 10), base_id="sha256:" + "ab" * 32 if version >= 2 else None)
+    options = WriteOptions(codec, max_file_bytes=16 << 10, timeout_s=60, version=version,
+                           run_id=_TOKEN if version >= 2 else None,
+                           writer=_TOKEN if version >= 2 else None, encode_threads=threads)
+    write_step(store, default_loop(), facts, _items(blocks=version >= 2), options)
     return dict(memory._BUCKETS.pop(name))
 
 
@@ -85,7 +94,7 @@ def test_uploads_start_while_chunks_encode_and_waiting_chunks_stay_bounded(
     lock = threading.Lock()
     counts = {"encoded": 0, "added": 0, "max_waiting": 0}
     encoded_at_first_write: list[int] = []
-    real_encode, real_add = writer._encode_chunk, writer._Files.add
+    real_encode, real_add = writer._encode_chunk, _datafiles.DataFiles.add
 
     def encode(*args: Any) -> Any:
         out = real_encode(*args)
@@ -108,7 +117,7 @@ def test_uploads_start_while_chunks_encode_and_waiting_chunks_stay_bounded(
         return await real_write(path, data)
 
     monkeypatch.setattr(writer, "_encode_chunk", encode)
-    monkeypatch.setattr(writer._Files, "add", add)
+    monkeypatch.setattr(_datafiles.DataFiles, "add", add)
     monkeypatch.setattr(store, "write", write)
     g = torch.Generator().manual_seed(1)
     n = 2_000_000
@@ -116,8 +125,9 @@ def test_uploads_start_while_chunks_encode_and_waiting_chunks_stay_bounded(
     old = torch.randn(idx.numel(), generator=g).to(torch.bfloat16)
     new = (old.view(torch.int16) + 1).view(torch.bfloat16)
     item = StepItem("t", (4 * n,), idx.numel(), idx, new, old)
-    files, _ = write_files(store, default_loop(), 1, "delta", [item], codec="sparse-v3",
-                           max_file_bytes=60_000, timeout_s=60, writer=_TOKEN, encode_threads=2)
+    files, _ = write_files(store, default_loop(), StepFacts(1, "delta", 0, 0, "fp", (1, 4 * n)), [item],
+                           WriteOptions("sparse-v3", max_file_bytes=60_000, timeout_s=60,
+                                        writer=_TOKEN, encode_threads=2))
     chunks = counts["encoded"]
     assert chunks >= 40 and len(files) >= 10
     assert encoded_at_first_write[0] < chunks  # the first upload began before the last encode

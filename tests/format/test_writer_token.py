@@ -47,8 +47,7 @@ def test_second_live_writer_is_detected_and_named(prefix: tuple[str, dict[str, A
         assert "second writer" in msg
     finally:
         first._closed = True  # its error was surfaced; stop its thread without a retry
-        first._queue.put(None)
-        first._thread.join()
+        first._uploader.stop()
     # readers still rebuild the other writer's step (it is an anchor of its own run)
     if not options:
         assert bits_equal(read_full(url, 2), tb.bf16())
@@ -62,14 +61,13 @@ def test_same_step_from_two_writers_is_refused_on_file(tmp_path: Path) -> None:
         first.publish(0, ta.weights)
     second = DeltaPublisher(url, anchor_every=10, writer_token=B)
     second._last_step = None  # a writer that started before step 0 was committed
-    second._seen_step = None
+    second._uploader._seen_step = None
     tb.step()
     second.publish(0, tb.weights)
     with pytest.raises(PublishError, match=f"writer {A}"):
         second.flush()
     second._closed = True
-    second._queue.put(None)
-    second._thread.join()
+    second._uploader.stop()
     assert bits_equal(read_full(url, 0), ta.bf16())  # the first commit stands
 
 

@@ -97,7 +97,7 @@ def test_shards_split_in_small_chunks_read_back_bit_exact(tmp_path: Path) -> Non
     """Column and row shards, written by 'ranks' in chunks of a few rows or parts of one row,
     merged into one manifest: the coverage rule holds and every element reads back."""
     from vllm_deltasync._loop import default_loop
-    from vllm_deltasync.format.writer import StepItem, write_files
+    from vllm_deltasync.format.writer import StepFacts, StepItem, WriteOptions, write_files
     from vllm_deltasync.stores import open_store
 
     url = f"file://{tmp_path}/b"
@@ -133,9 +133,9 @@ def test_shards_split_in_small_chunks_read_back_bit_exact(tmp_path: Path) -> Non
             local_old = base[name][tuple(sl)].reshape(-1)
             idx = torch.nonzero(local_new.view(torch.int16) != local_old.view(torch.int16)).view(-1)
             items.append(StepItem(name, shape, idx.numel(), idx, local_new[idx], local_old[idx], region))
-        files, tensors = write_files(store, loop, step, kind, items,  # type: ignore[arg-type]
-                                     codec="sparse-v2", max_file_bytes=120, timeout_s=30,
-                                     writer="abcdef0123456789", attempt=f"{rank:016x}")
+        facts = StepFacts(step, kind, None if kind == "anchor" else 0, 0, fp, totals)  # type: ignore[arg-type]
+        options = WriteOptions("sparse-v2", max_file_bytes=120, timeout_s=30, writer="abcdef0123456789")
+        files, tensors = write_files(store, loop, facts, items, options, attempt=f"{rank:016x}")
         return Manifest(step, kind, None if kind == "anchor" else 0, 0, 0.0, fp, files, tensors,  # type: ignore[arg-type]
                         totals=None, run_id="0123456789abcdef", writer="abcdef0123456789")  # type: ignore[arg-type]
 
@@ -251,15 +251,17 @@ def test_ranks_holding_a_parameter_differently_fail_the_publish_on_every_rank(tm
 def _part(store: Any, step: int, writer: str, attempt: str, name: str = "w") -> Manifest:
     """One rank's files and part record (rank = the attempt's last 4 hex digits)."""
     from vllm_deltasync._loop import default_loop
-    from vllm_deltasync.format.writer import StepItem, write_files
+    from vllm_deltasync.format.writer import StepFacts, StepItem, WriteOptions, write_files
     from vllm_deltasync.trainer.sharded import PART_NAME, folder, part_manifest
 
     loop = default_loop()
     rank = int(attempt[-4:], 16)
     values = torch.full((4,), float(rank + 1)).to(torch.bfloat16)
     item = StepItem(name, (8,), 4, None, values, None, Region(rank * 4, 1, 4, 4))
-    files, tensors = write_files(store, loop, step, "anchor", [item], codec="sparse-v2",
-                                 max_file_bytes=1 << 20, timeout_s=30, writer=writer, attempt=attempt)
+    facts = StepFacts(step, "anchor", None, step, fingerprint([(name, (8,), "bfloat16")]), (1, 8))
+    files, tensors = write_files(store, loop, facts, [item],
+                                 WriteOptions("sparse-v2", max_file_bytes=1 << 20, timeout_s=30, writer=writer),
+                                 attempt=attempt)
     template = Manifest(step, "anchor", None, step, 0.0, fingerprint([(name, (8,), "bfloat16")]), (), (),
                         totals=None, run_id="0123456789abcdef", writer=writer)  # type: ignore[arg-type]
     part = part_manifest(template, files, tensors)

@@ -25,11 +25,13 @@ DATA_DIR = "data"
 _MANIFEST_RE = re.compile(rf"^{MANIFEST_DIR}/(\d{{{STEP_DIGITS}}})\.json$")
 _DATA_RE = re.compile(rf"^{DATA_DIR}/(\d{{{STEP_DIGITS}}})-([0-9a-f]+(?:-[0-9a-f]+)?)/")
 _TOKEN_RE = re.compile(r"[0-9a-f]+(?:-[0-9a-f]+)?")
-_MAX_STEP = 10**STEP_DIGITS - 1
+MAX_STEP = 10**STEP_DIGITS - 1
+"""The largest step number (steps are named by ``STEP_DIGITS`` digits)."""
+
 
 def check_step(step: int) -> None:
-    if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step <= _MAX_STEP:
-        raise FormatError(f"step {step!r} is not an integer in [0, {_MAX_STEP}]")
+    if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step <= MAX_STEP:
+        raise FormatError(f"step {step!r} is not an integer in [0, {MAX_STEP}]")
 
 
 def manifest_path(step: int) -> str:
@@ -73,5 +75,5 @@ def parse_data_path(path: str) -> tuple[int, str] | None:
     return (int(match.group(1)), match.group(2)) if match else None
 
 
-__all__ = ["DATA_DIR", "MANIFEST_DIR", "STEP_DIGITS", "attempt_token", "check_step", "token_writer", "data_dir", "data_path",
+__all__ = ["DATA_DIR", "MANIFEST_DIR", "MAX_STEP", "STEP_DIGITS", "attempt_token", "check_step", "token_writer", "data_dir", "data_path",
            "manifest_path", "parse_data_path", "parse_manifest_path"]

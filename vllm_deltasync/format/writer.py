@@ -1,8 +1,9 @@
-"""Writing one step into a bucket (data files, then the manifest) and retention.
+"""Writing one step into a bucket: data files, then the manifest.
 
 Used by the publisher's upload thread. ``write_step`` encodes each tensor's payload in
-chunks, packs chunks into safetensors files of about ``max_file_bytes``, writes the files
-(a few at a time) and finally the manifest, whose existence commits the step.
+chunks, packs chunks into safetensors files of about ``max_file_bytes`` (``_datafiles.py``),
+writes the files (a few at a time) and finally the manifest, whose existence commits the
+step. Retention (``retain``, re-exported here) is ``retention.py``.
 
 Chunks encode on a thread pool (``encode_threads``; the codecs release the GIL in numba,
 numpy, torch and zstd) a bounded window ahead of the packing, which takes them in their
@@ -17,51 +18,41 @@ from __future__ import annotations
 import collections
 import contextlib
 import functools
-import hashlib
-import json
 import os
-import secrets
 import time
-from collections.abc import Callable, Generator, Iterator, MutableMapping
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable, Generator, Iterator
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
-from safetensors.torch import save as save_safetensors
 
 from vllm_deltasync._loop import BackgroundLoop
 from vllm_deltasync.errors import ConfigError, FormatError
+from vllm_deltasync.format._datafiles import DataFiles, PendingChunk
 from vllm_deltasync.format.codec import Codec
 from vllm_deltasync.format.codecs import get_codec
-from vllm_deltasync.format.layout import (
-    attempt_token,
-    data_dir,
-    data_path,
-    manifest_path,
-    parse_data_path,
-    parse_manifest_path,
-    token_writer,
-)
+from vllm_deltasync.format.layout import manifest_path
+from vllm_deltasync.format.limits import name_problem, shape_problem, shown, step_problem
 from vllm_deltasync.format.manifest import (
-    FORMAT_NAME,
     SCHEMA_VERSION,
-    Chunk,
     FileEntry,
     Kind,
     Manifest,
     Region,
-    RoleRange,
     TensorEntry,
     Totals,
     manifest_identity,
-    merge_ranges,
 )
+from vllm_deltasync.format.retention import retain
 from vllm_deltasync.stores import Store
 
-MAX_WRITES_IN_FLIGHT = 4
 MAX_ENCODE_THREADS = 8
 """``encode_threads=0`` uses one thread per available core, at most this many."""
+INLINE_ELEMENTS = 1 << 20
+"""A step carrying fewer elements (changed ones, or an anchor's) encodes on the calling thread:
+its chunks encode in a few milliseconds, and the pool's hand-overs would cost more than they
+save (the bytes do not depend on it)."""
 
 
 def encode_threads_for(encode_threads: int) -> int:
@@ -96,131 +87,11 @@ class StepItem:
     local index space (docs/format.md, "Region and local indices"). None: the whole tensor."""
 
 
-@dataclass
-class _PendingChunk:
-    """A chunk whose file is not written yet (v2 byte ranges and digest come at flush)."""
-
-    owner: str
-    keys: dict[str, str]
-    start: int
-    stop: int
-    meta: dict[str, Any]
-    region: Region | None
-    file: int = -1
-    roles: dict[str, RoleRange] = field(default_factory=dict)
-    sha256: str | None = None
-
-    def chunk(self) -> Chunk:
-        if self.region is None:
-            return Chunk(self.file, self.keys, self.start, self.stop, self.meta)
-        return Chunk(self.file, self.keys, 0, self.stop - self.start, self.meta, self.region,
-                     self.roles, self.sha256)
-
-
-def _save(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> bytes:
-    """safetensors' ``save`` with the header's metadata in sorted order, so that the same step
-    makes the same bytes (content-addressed stores deduplicate them): safetensors writes the
-    metadata from a Rust HashMap, in an order that changes from file to file."""
-    data = save_safetensors(tensors, metadata=metadata)
-    n = int.from_bytes(data[:8], "little")
-    header = json.loads(data[8 : 8 + n])
-    meta = header.pop("__metadata__", {})
-    text = json.dumps({"__metadata__": dict(sorted(meta.items())), **header},
-                      separators=(",", ":")).encode()
-    if len(text) > n:  # not the compact JSON safetensors writes: keep its bytes
-        return data
-    return data[:8] + text + b" " * (n - len(text)) + data[8 + n :]
-
-
-class _Files:
-    """Packs chunk tensors into safetensors files and writes them as they fill up."""
-
-    def __init__(self, store: Store, loop: BackgroundLoop, step: int, kind: Kind,
-                 max_file_bytes: int, timeout_s: float, version: int, writer: str | None,
-                 attempt: str | None = None) -> None:
-        self.store, self.loop, self.step, self.kind = store, loop, step, kind
-        self.max_file_bytes, self.timeout_s, self.version = max_file_bytes, timeout_s, version
-        attempt = attempt or secrets.token_hex(8)
-        self.token = attempt if writer is None else attempt_token(writer, attempt)
-        self.entries: list[FileEntry] = []
-        self.tensors: dict[str, torch.Tensor] = {}
-        self.owners: set[str] = set()
-        self.chunks: list[_PendingChunk] = []
-        self.size = 0
-        self.pending: list[Future[None]] = []
-
-    def add(self, owner: str, tensors: dict[str, torch.Tensor], chunk: _PendingChunk) -> None:
-        """Put one chunk's tensors (key -> tensor) in the current file; sets ``chunk.file``."""
-        nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
-        if self.tensors and self.size + nbytes > self.max_file_bytes:
-            self.flush()
-        if owner in self.owners:  # two chunks of one tensor: must not share storage in a file
-            tensors = {k: t.clone() for k, t in tensors.items()}
-        for key, tensor in tensors.items():
-            if key in self.tensors:
-                raise FormatError(f"step {self.step}: safetensors key {key!r} is used twice")
-            self.tensors[key] = tensor
-        self.owners.add(owner)
-        self.size += nbytes
-        chunk.file = len(self.entries)
-        self.chunks.append(chunk)
-
-    def flush(self) -> None:
-        if not self.tensors:
-            return
-        meta = {"format": FORMAT_NAME, "schema_version": str(self.version),
-                "step": str(self.step), "kind": self.kind}
-        data = _save(self.tensors, meta)
-        path = data_path(self.step, self.token, len(self.entries))
-        index = _locate(data, self.chunks) if self.version >= 2 else None
-        self.entries.append(FileEntry(path, len(data), hashlib.sha256(data).hexdigest(), index))
-        self.tensors, self.owners, self.chunks, self.size = {}, set(), [], 0
-        self.pending.append(self.loop.submit(self.store.write(path, data)))
-        if len(self.pending) >= MAX_WRITES_IN_FLIGHT:
-            self.pending.pop(0).result(self.timeout_s)
-
-    def finish(self) -> tuple[FileEntry, ...]:
-        """Write the last file and wait for every write; the first error is raised."""
-        try:
-            self.flush()
-        finally:
-            errors = []
-            for future in self.pending:
-                try:
-                    future.result(self.timeout_s)
-                except BaseException as exc:
-                    errors.append(exc)
-            self.pending = []
-        if errors:
-            raise errors[0]
-        return tuple(self.entries)
-
-
-def _locate(data: bytes, chunks: list[_PendingChunk]) -> dict[str, tuple[tuple[int, int], ...]]:
-    """v2: fill each chunk's role byte ranges and sha256 from the file; return the file index."""
-    header_len = int.from_bytes(data[:8], "little")
-    header = json.loads(data[8 : 8 + header_len])
-    base = 8 + header_len
-    view = memoryview(data)
-    ranges: dict[str, list[tuple[int, int]]] = {}
-    for chunk in chunks:
-        digest = hashlib.sha256()
-        for role in sorted(chunk.keys):
-            info = header[chunk.keys[role]]
-            begin, end = info["data_offsets"]
-            rr = RoleRange(chunk.keys[role], info["dtype"], base + begin, end - begin)
-            chunk.roles[role] = rr
-            digest.update(view[rr.offset : rr.offset + rr.length])
-            ranges.setdefault(chunk.owner, []).append((rr.offset, rr.length))
-        chunk.sha256 = digest.hexdigest()
-    return {name: merge_ranges(rs) for name, rs in ranges.items()}
-
-
 _Plan = tuple[int, int, torch.Tensor | None, Region | None, int]
 """One chunk to encode: (start, stop, local indices or None, region, codec key)."""
 
 
-def _plan_item(item: StepItem, codec: Codec, files: _Files) -> Iterator[_Plan]:
+def _plan_item(item: StepItem, codec: Codec, files: DataFiles) -> Iterator[_Plan]:
     """The chunks of ``item``, in order (nothing encoded here)."""
     if item.region is not None:
         yield from _plan_block(item, item.region, codec, files)
@@ -242,18 +113,18 @@ def _plan_item(item: StepItem, codec: Codec, files: _Files) -> Iterator[_Plan]:
 
 
 def _encode_chunk(item: StepItem, codec: Codec, plan: _Plan
-                  ) -> tuple[_PendingChunk, dict[str, torch.Tensor]]:
+                  ) -> tuple[PendingChunk, dict[str, torch.Tensor]]:
     """Encode positions ``[start, stop)`` of ``item``'s payload: the chunk and its tensors
     (safetensors key -> tensor). Runs on the encode pool."""
     start, stop, indices, region, codec_key = plan
     old = None if item.old_values is None else item.old_values[start:stop]
     roles, meta = codec.encode(indices, item.new_values[start:stop], old)
     keys = {role: codec.key(item.name, role, codec_key) for role in roles}
-    pending = _PendingChunk(item.name, keys, start, stop, dict(meta), region)
+    pending = PendingChunk(item.name, keys, start, stop, dict(meta), region)
     return pending, {keys[r]: t.reshape(-1).contiguous() for r, t in roles.items()}
 
 
-def _plan_block(item: StepItem, block: Region, codec: Codec, files: _Files) -> Iterator[_Plan]:
+def _plan_block(item: StepItem, block: Region, codec: Codec, files: DataFiles) -> Iterator[_Plan]:
     """Chunks of one block (a rank's shard) of a tensor, v2 only.
 
     Every chunk's region lies inside ``block``: either whole rows of it (a strided region,
@@ -316,49 +187,138 @@ def _plan_block(item: StepItem, block: Region, codec: Codec, files: _Files) -> I
         start = stop
 
 
-def _in_order(jobs: Iterator[tuple[int, Callable[[], Any]]], threads: int
-              ) -> Generator[tuple[int, Any], None, None]:
-    """``(tag, job())`` for each ``(tag, job)``, in order; ``threads > 1``: the jobs run on a pool,
-    at most ``2 * threads`` started and not yet taken. The first error is raised in order; jobs
-    not started then never start."""
+def _in_order(jobs: Iterator[tuple[int, Callable[[], Any]]], threads: int,
+              executor: Executor | None = None) -> Generator[tuple[int, Any], None, None]:
+    """``(tag, job())`` for each ``(tag, job)``, in order; ``threads > 1``: the jobs run on
+    ``executor`` (or a pool of ``threads`` made for this call), at most ``2 * threads`` started
+    and not yet taken. The first error is raised in order; jobs not started then never start."""
     if threads <= 1:
         for tag, job in jobs:
             yield tag, job()
         return
+    if executor is None:
+        with ThreadPoolExecutor(threads, thread_name_prefix="deltasync-encode") as pool:
+            yield from _in_order(jobs, threads, pool)
+        return
     window: collections.deque[tuple[int, Future[Any]]] = collections.deque()
-    with ThreadPoolExecutor(threads, thread_name_prefix="deltasync-encode") as pool:
-        try:
-            for tag, job in jobs:
-                window.append((tag, pool.submit(job)))
-                if len(window) >= 2 * threads:
-                    tag0, future = window.popleft()
-                    yield tag0, future.result()
-            while window:
+    try:
+        for tag, job in jobs:
+            window.append((tag, executor.submit(job)))
+            if len(window) >= 2 * threads:
                 tag0, future = window.popleft()
                 yield tag0, future.result()
-        finally:
-            for _, future in window:
-                future.cancel()
+        while window:
+            tag0, future = window.popleft()
+            yield tag0, future.result()
+    finally:
+        for _, future in window:
+            future.cancel()
+        for _, future in window:  # a job already running ends before the caller goes on
+            if not future.cancelled():
+                future.exception()
 
 
-def write_files(store: Store, loop: BackgroundLoop, step: int, kind: Kind, items: list[StepItem], *,
-                codec: str, max_file_bytes: int, timeout_s: float, version: int = SCHEMA_VERSION,
-                writer: str | None = None, attempt: str | None = None, encode_threads: int = 0,
+@dataclass(frozen=True)
+class StepFacts:
+    """What a step is, as its manifest records it (besides files and tensors)."""
+
+    step: int
+    """The step number (0 to 10**12 - 1)."""
+    kind: Kind
+    """``"anchor"`` (every element) or ``"delta"`` (the changed ones)."""
+    base_step: int | None
+    """A delta: the step it applies on. An anchor: None."""
+    anchor_step: int
+    """The anchor its chain starts from (an anchor's own step)."""
+    fingerprint: str
+    """The parameter set's ``fingerprint``."""
+    totals: tuple[int, int]
+    """Tensors and elements of the whole parameter set (not only those written)."""
+    base_id: str | None = None
+    """Format v2+ delta: the identity of the manifest it was computed from."""
+    resumed_from: int | None = None
+    """Format v2+ anchor, optional: the checkpoint step a restarted trainer resumed from."""
+
+    def __post_init__(self) -> None:
+        """The step numbers are ones a reader reads (``limits.py``); FormatError otherwise."""
+        if self.kind not in ("anchor", "delta"):
+            raise FormatError(f"step {self.step}: kind {self.kind!r} is neither 'anchor' nor 'delta'")
+        for label, value in (("step", self.step), ("anchor_step", self.anchor_step),
+                             ("base_step", self.base_step), ("resumed_from", self.resumed_from)):
+            problem = None if value is None and label in ("base_step", "resumed_from") else step_problem(value)
+            if problem is not None:
+                raise FormatError(f"step {self.step}: {label} = {shown(value)} {problem}; no "
+                                  "reader reads such a step")
+
+
+@dataclass(frozen=True)
+class WriteOptions:
+    """How a step's data files and manifest are written."""
+
+    codec: str
+    """The codec of sparse items (dense items, an anchor's, are always ``dense``)."""
+    max_file_bytes: int = 256 << 20
+    """Data files are packed to about this size."""
+    timeout_s: float = 600.0
+    """Limit in seconds for one store operation."""
+    version: int = SCHEMA_VERSION
+    """Format version: 3, 2 (need ``run_id`` and ``writer`` for a step) or 1."""
+    run_id: str | None = None
+    """Format v2+: the training run (lowercase hex)."""
+    writer: str | None = None
+    """Format v2+: the writer token (lowercase hex); names the data folders."""
+    encode_threads: int = 0
+    """Threads that encode chunks (0: one per core, at most 8); the bytes do not depend on it."""
+
+    def __post_init__(self) -> None:
+        if self.version not in (1, 2, 3) or isinstance(self.version, bool):
+            raise ConfigError(f"WriteOptions: version={self.version!r} must be 3, 2 or 1")
+        size = self.max_file_bytes
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ConfigError(f"WriteOptions: max_file_bytes={size!r} must be an integer >= 1")
+        encode_threads_for(self.encode_threads)  # checks it
+        try:
+            get_codec(self.codec)
+        except FormatError as exc:
+            raise ConfigError(f"WriteOptions: {exc}") from None
+
+    @property
+    def tokens(self) -> tuple[str | None, str | None]:
+        """``(run_id, writer)`` as the format version writes them (v1: none)."""
+        return (self.run_id, self.writer) if self.version >= 2 else (None, None)
+
+
+def write_files(store: Store, loop: BackgroundLoop, facts: StepFacts, items: list[StepItem],
+                options: WriteOptions, *, attempt: str | None = None, executor: Executor | None = None,
                 ) -> tuple[tuple[FileEntry, ...], tuple[TensorEntry, ...]]:
     """Encode ``items`` and write their data files (one attempt folder); no manifest.
 
-    ``encode_threads``: threads that encode chunks (0: one per core, at most 8); the bytes
-    written do not depend on it.
-
     Returns the file entries and one tensor entry per item, chunks numbered into those files.
     The ranks of a sharded job each call this for their own blocks; one of them merges the
-    results into the manifest (``trainer/sharded.py``).
+    results into the manifest (``trainer/sharded.py``). ``executor``: the pool that encodes
+    (one of ``options.encode_threads`` threads is made for the call if None).
     """
-    threads = encode_threads_for(encode_threads)
-    files = _Files(store, loop, step, kind, max_file_bytes, timeout_s, version,
-                   writer if version >= 2 else None, attempt)
-    dense, sparse = get_codec("dense"), get_codec(codec)
-    pending: list[tuple[StepItem, Codec, list[_PendingChunk]]] = []
+    files, entries = _encode_and_pack(store, loop, facts, items, options, attempt, executor)
+    return files.wait(), entries
+
+
+def _encode_and_pack(store: Store, loop: BackgroundLoop, facts: StepFacts, items: list[StepItem],
+                     options: WriteOptions, attempt: str | None, executor: Executor | None,
+                     ) -> tuple[DataFiles, tuple[TensorEntry, ...]]:
+    """Encode ``items`` into data files; the last file's write is started, not waited for
+    (``DataFiles.wait``). Returns the files and one tensor entry per tensor."""
+    for item in items:  # before anything is encoded or written
+        problem = name_problem(item.name) or shape_problem(item.shape)
+        if problem is not None:
+            raise FormatError(f"step {facts.step}: tensor {str(item.name)[:80]!r} {problem}; no "
+                              "reader reads such a tensor, nothing was written")
+    threads = encode_threads_for(options.encode_threads)
+    if sum(item.new_values.numel() for item in items) < INLINE_ELEMENTS:
+        threads = 1  # a small step: handing its chunks to other threads costs more than it saves
+    files = DataFiles(store, loop, facts.step, facts.kind, options.max_file_bytes, options.timeout_s,
+                      options.version, options.tokens[1], attempt)
+    dense, sparse = get_codec("dense"), get_codec(options.codec)
+    pending: list[tuple[StepItem, Codec, list[PendingChunk]]] = []
     for item in items:
         pending.append((item, dense if item.indices is None else sparse, []))
 
@@ -368,12 +328,14 @@ def write_files(store: Store, loop: BackgroundLoop, step: int, kind: Kind, items
                 yield k, functools.partial(_encode_chunk, item, codec_of, plan)
 
     try:
-        with contextlib.closing(_in_order(jobs(), threads)) as encoded:  # an error: the pool stops
-            for k, (chunk, tensors) in encoded:
+        with contextlib.closing(_in_order(jobs(), threads, executor)) as encoded:
+            for k, (chunk, tensors) in encoded:  # an error: the pool stops
                 files.add(pending[k][0].name, tensors, chunk)
                 pending[k][2].append(chunk)
-    finally:
-        file_entries = files.finish()
+        files.flush()
+    except BaseException:
+        files.wait_quietly()
+        raise
     merged: dict[str, TensorEntry] = {}  # several blocks of one tensor: one entry
     for item, c, chunks in pending:
         entry = merged.get(item.name)
@@ -384,118 +346,66 @@ def write_files(store: Store, loop: BackgroundLoop, step: int, kind: Kind, items
         else:
             merged[item.name] = replace(entry, changed=entry.changed + item.changed,
                                         chunks=entry.chunks + new)
-    return file_entries, tuple(merged.values())
+    return files, tuple(merged.values())
 
 
-def write_step(store: Store, loop: BackgroundLoop, step: int, kind: Kind, base_step: int | None,
-               anchor_step: int, fp: str, totals: tuple[int, int], items: list[StepItem], *,
-               codec: str, max_file_bytes: int, timeout_s: float, version: int = SCHEMA_VERSION,
-               run_id: str | None = None, writer: str | None = None, base_id: str | None = None,
-               resumed_from: int | None = None, encode_threads: int = 0) -> Manifest:
+def write_step(store: Store, loop: BackgroundLoop, facts: StepFacts, items: list[StepItem],
+               options: WriteOptions, *, executor: Executor | None = None) -> Manifest:
     """Write the data files of one step, then its manifest. Returns the committed manifest,
     its ``identity`` set from the bytes written.
 
-    ``version`` 3 (default) and 2 need ``run_id`` and ``writer`` (lowercase hex) and write
-    ``base_id`` (a delta: the identity of the manifest it was computed from) and
-    ``resumed_from`` (an anchor, optional); 1 writes the old format (no writer token, no
-    identities, chunks placed by position). ``encode_threads``: as in ``write_files``.
+    Format ``version`` 3 (default) and 2 need ``run_id`` and ``writer`` and write ``base_id``
+    (a delta) and ``resumed_from`` (an anchor, optional); 1 writes the old format (no writer
+    token, no identities, chunks placed by position). The manifest is built, serialized and
+    checked while the last data file is still being written; it is written once every data
+    file is. ``executor``: as in ``write_files``.
     """
-    if version not in (1, 2, 3) or (version >= 2 and not (run_id and writer)):
-        raise FormatError(f"write_step: format version {version!r} needs run_id and writer (v2, v3) "
-                          "or is unknown")
-    file_entries, entries = write_files(
-        store, loop, step, kind, items, codec=codec, max_file_bytes=max_file_bytes,
-        timeout_s=timeout_s, version=version, writer=writer, encode_threads=encode_threads)
-    manifest = Manifest(
-        step=step, kind=kind, base_step=base_step, anchor_step=anchor_step,
-        created_at=time.time(), fingerprint=fp, files=file_entries, tensors=entries,
-        totals=Totals(totals[0], totals[1], sum(e.changed for e in entries),
-                      sum(f.size for f in file_entries)),
-        schema_version=version, run_id=run_id if version >= 2 else None,
-        writer=writer if version >= 2 else None,
-        base_id=base_id if version >= 2 and kind == "delta" else None,
-        resumed_from=resumed_from if version >= 2 and kind == "anchor" else None,
-    )
-    return commit_manifest(store, loop, manifest, timeout_s)
+    run_id, writer = options.tokens
+    if options.version >= 2 and not (run_id and writer):
+        raise ConfigError(f"write_step: format version {options.version} needs run_id and writer")
+    files, entries = _encode_and_pack(store, loop, facts, items, options, None, executor)
+    try:
+        v2 = options.version >= 2
+        manifest = Manifest(
+            step=facts.step, kind=facts.kind, base_step=facts.base_step,
+            anchor_step=facts.anchor_step, created_at=time.time(), fingerprint=facts.fingerprint,
+            files=tuple(files.entries), tensors=entries,
+            totals=Totals(facts.totals[0], facts.totals[1], sum(e.changed for e in entries),
+                          sum(f.size for f in files.entries)),
+            schema_version=options.version, run_id=run_id, writer=writer,
+            base_id=facts.base_id if v2 and facts.kind == "delta" else None,
+            resumed_from=facts.resumed_from if v2 and facts.kind == "anchor" else None,
+        )
+        data = manifest_bytes(manifest)
+    except BaseException:
+        files.wait_quietly()
+        raise
+    files.wait()  # every data file is written before the manifest commits the step
+    loop.run(store.write(manifest_path(manifest.step), data), options.timeout_s)
+    return replace(manifest, identity=manifest_identity(data))
+
+
+def manifest_bytes(manifest: Manifest) -> bytes:
+    """The document of ``manifest``, parsed back as a reader parses it: FormatError ("... a
+    reader would refuse it") for a manifest a reader would refuse."""
+    data = manifest.to_json()
+    try:  # the reader's own validation, on exactly these bytes: never commit what it refuses
+        Manifest.from_json(data, source=f"step {manifest.step}'s manifest, not committed")
+    except FormatError as exc:
+        raise FormatError(f"{exc}; a reader would refuse it") from None
+    return data
 
 
 def commit_manifest(store: Store, loop: BackgroundLoop, manifest: Manifest,
                     timeout_s: float) -> Manifest:
     """Write ``manifest`` create-only (the commit point of its step; a committed step is never
-    rewritten) and return it with its ``identity``: the digest of exactly the bytes written."""
-    data = manifest.to_json()
+    rewritten) and return it with its ``identity``: the digest of exactly the bytes written.
+    The bytes are first parsed as a reader parses them (``manifest_bytes``): a manifest a reader
+    would refuse is a FormatError here, and nothing is committed."""
+    data = manifest_bytes(manifest)
     loop.run(store.write(manifest_path(manifest.step), data), timeout_s)
     return replace(manifest, identity=manifest_identity(data))
 
 
-async def retain(store: Store, keep_anchors: int,
-                 known: MutableMapping[int, tuple[str, frozenset[str], str | None]], *,
-                 writer: str | None = None) -> list[str]:
-    """Delete this writer's steps older than its ``keep_anchors``-th newest anchor, and its orphans.
-
-    Ownership (docs/format.md §10): a manifest belongs to its ``writer`` token, or is v1
-    (anonymous, writer None); a data folder belongs to the writer token in its name
-    (``token_writer``), or is v1 (a token without a writer). ``writer``: this writer's token
-    (format v2, v3). Only manifests and data folders carrying it are deleted, plus v1
-    (anonymous) steps older than the cutoff. ``writer=None`` (a v1 publisher) deletes only v1
-    manifests and v1 data folders: older than the cutoff, or orphans. Never deleted: another
-    writer's manifests and data, a manifest that does not parse or that holds another step
-    than its name (unknown owner), and data of such a step. Orphans are data folders of steps
-    at or before the writer's newest committed step that the manifest of that step does not
-    reference (attempts killed before their manifest). ``known`` caches
-    ``step -> (kind, data folders, writer)`` between calls. Returns the deleted paths.
-    """
-    from vllm_deltasync.errors import NotFoundError  # here: the module's imports are shared
-
-    objects = await store.list()
-    manifests = {s: o.path for o in objects if (s := parse_manifest_path(o.path)) is not None}
-    if not manifests:
-        return []
-    for step in manifests.keys() - known.keys():
-        try:
-            m = Manifest.from_json(await store.read(manifests[step]), source=manifests[step])
-        except (FormatError, NotFoundError):
-            continue  # unreadable (or gone): its owner is unknown, it is never deleted
-        if m.step != step:
-            continue  # a manifest of another step under this name: unknown owner, kept
-        known[step] = (m.kind, frozenset(f.path.rsplit("/", 1)[0] for f in m.files), m.writer)
-
-    def owner(step: int) -> str | None:
-        return known[step][2]
-
-    mine = [s for s in manifests if s in known and owner(s) == writer]
-    if not mine:
-        return []  # nothing of its own committed: no cutoff, no newest step for orphans
-    anchors = sorted(s for s in mine if known[s][0] == "anchor")
-    cutoff = anchors[-keep_anchors] if len(anchors) >= keep_anchors else -1
-    newest = max(mine)
-    # own steps, and v1 (anonymous, readable) steps, older than the cutoff (for writer None
-    # both are the v1 steps)
-    doomed_steps = {s for s in manifests if s < cutoff and s in known and owner(s) in (writer, None)}
-    doomed_manifests = [manifests[s] for s in sorted(doomed_steps)]
-    doomed_data = []
-    for o in objects:
-        parsed = parse_data_path(o.path)
-        if parsed is None:
-            continue
-        step, token = parsed
-        by = token_writer(token)
-        if by is not None and by != writer:
-            continue  # another writer's data: never
-        if step in manifests and step not in known:
-            continue  # its step's manifest is unreadable: it may reference this folder
-        referenced = step in known and data_dir(step, token) in known[step][1]
-        if referenced and step not in doomed_steps:
-            continue  # data of a kept step (whoever's manifest references it)
-        if by is None and writer is not None:  # v1 data, seen by a v2/v3 writer: old only
-            if step < cutoff:
-                doomed_data.append(o.path)
-            continue
-        orphan = step <= newest and not referenced
-        if step < cutoff or orphan:
-            doomed_data.append(o.path)
-    await store.delete(doomed_manifests)  # manifests first: no reader sees a step losing data
-    await store.delete(doomed_data)
-    for step in [s for s in known if s in doomed_steps]:
-        del known[step]
-    return doomed_manifests + doomed_data
+__all__ = ["MAX_ENCODE_THREADS", "StepFacts", "StepItem", "WriteOptions", "commit_manifest",
+           "encode_threads_for", "manifest_bytes", "retain", "write_files", "write_step"]

@@ -35,6 +35,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from vllm_deltasync._jit import compile_kernels, first, once
+
 log = logging.getLogger(__name__)
 
 CHUNK_ELEMENTS = 1 << 20
@@ -80,9 +82,9 @@ class Differ:
             previous_on: ``"device"`` or ``"host"`` (accelerator parameters; module docstring).
             chunk_elements: elements per pass of the host diff.
             device_path: the torch path for every parameter, CPU ones included (tests).
-            threads: host diffs of different parameters run on this many threads at once (the
-                fused pass releases the GIL; the training thread waits for them anyway);
-                0: one per available core, at most 4.
+            threads: host diffs of different parameters run on this many threads at once, the
+                calling thread one of them (the fused pass releases the GIL; the training
+                thread waits for them anyway); 0: one per available core, at most 4.
         """
         if previous_on not in ("device", "host"):
             raise ValueError(f"previous_on={previous_on!r} must be 'device' or 'host'")
@@ -120,22 +122,28 @@ class Differ:
         host = [n for n in names if n in self._base and not self._base[n].device
                 and tensors[n].device.type == "cpu"]
         out: dict[str, Diff] = {}
+        done: dict[str, Diff] = {}
         if self.threads > 1 and len(host) > 1:
             if self._pool is None:
-                self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="deltasync-diff")
-            futures = {n: self._pool.submit(self.diff, n, tensors[n], full=full, job=job,
-                                            cuts=cuts.get(n, ())) for n in host}
+                self._pool = ThreadPoolExecutor(self.threads - 1, thread_name_prefix="deltasync-diff")
+
+            def run(share: list[str]) -> dict[str, Diff]:
+                return {n: self.diff(n, tensors[n], full=full, job=job, cuts=cuts.get(n, ()))
+                        for n in share}
+
+            mine, *others = _shares(host, {n: tensors[n].numel() for n in host}, self.threads)
+            futures = [self._pool.submit(run, share) for share in others if share]
             try:
-                done = {n: f.result() for n, f in futures.items()}
+                done.update(run(mine))  # the calling thread takes a share too
+                for f in futures:
+                    done.update(f.result())
             except BaseException:
-                for f in futures.values():  # every diff has ended before the caller goes on
+                for f in futures:  # every diff has ended before the caller goes on
                     f.cancel()
-                for f in futures.values():
+                for f in futures:
                     if not f.cancelled():
                         f.exception()
                 raise
-        else:
-            done = {}
         for n in names:
             out[n] = done[n] if n in done else self.diff(n, tensors[n], full=full, job=job,
                                                           cuts=cuts.get(n, ()))
@@ -271,6 +279,19 @@ def _available_cores() -> int:
         return os.cpu_count() or 1
 
 
+def _shares(names: list[str], sizes: Mapping[str, int], threads: int) -> list[list[str]]:
+    """``names`` in ``threads`` shares of about equal elements (largest first, each to the
+    lightest share): one task per thread instead of one per tensor, so the many small tensors
+    of a small model do not each pay a hand-over to another thread."""
+    shares: list[list[str]] = [[] for _ in range(threads)]
+    load = [0] * threads
+    for name in sorted(names, key=lambda n: -sizes[n]):
+        k = load.index(min(load))
+        shares[k].append(name)
+        load[k] += max(1, sizes[name])
+    return shares
+
+
 def _bounds(cuts: tuple[int, ...], n: int) -> tuple[int, ...]:
     """0, the cuts inside (0, n), n: the segments' edges."""
     return (0, *sorted({c for c in cuts if 0 < c < n}), n)
@@ -349,40 +370,24 @@ def _words(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 _KERNEL: list[Any] = []
-_KERNEL_LOCK = threading.Lock()
+"""The fused diff compiled by numba: empty until the first host diff decides, then [it or None]."""
 
 
 def _kernel() -> Any:
     """``_fused_diff`` compiled by numba, or None (numba missing or failing: numpy passes)."""
-    if not _KERNEL:
-        with _KERNEL_LOCK:
-            if not _KERNEL:
-                _KERNEL.append(_compile())
-    return _KERNEL[0]
+    return once(_KERNEL, lambda: first(compile_kernels(
+        (_fused_diff,), _check_kernel, log=log, label="publisher diff", what="the fused diff",
+        fallback="diffing with numpy")))
 
 
-def _compile() -> Any:
-    try:
-        import numba
-    except ImportError:
-        return None
-    try:
-        try:
-            jitted = numba.njit(nogil=True, cache=True)(_fused_diff)
-        except RuntimeError:  # no writable cache location
-            jitted = numba.njit(nogil=True)(_fused_diff)
-        new = np.array([1, 2, 3, 4, 5, 6], np.int16)
-        last = np.array([1, 9, 3, 4, 5, 0], np.int16)
-        idx, nv, ov = np.empty(6, np.int64), np.empty(6, np.int16), np.empty(6, np.int16)
-        k = jitted(new, last, *_words(new, last), idx, nv, ov, 10)
-        if (k != 2 or idx[:2].tolist() != [11, 15] or nv[:2].tolist() != [2, 6]
-                or ov[:2].tolist() != [9, 0] or last.tolist() != new.tolist()):
-            raise RuntimeError("self-check failed")
-    except Exception as exc:  # noqa: BLE001 - any numba failure leaves the numpy passes
-        log.warning("publisher diff: numba could not compile the fused diff (%s: %s); diffing "
-                    "with numpy", type(exc).__name__, str(exc)[:200])
-        return None
-    return jitted
+def _check_kernel(jitted: Any) -> None:
+    new = np.array([1, 2, 3, 4, 5, 6], np.int16)
+    last = np.array([1, 9, 3, 4, 5, 0], np.int16)
+    idx, nv, ov = np.empty(6, np.int64), np.empty(6, np.int16), np.empty(6, np.int16)
+    k = jitted(new, last, *_words(new, last), idx, nv, ov, 10)
+    if (k != 2 or idx[:2].tolist() != [11, 15] or nv[:2].tolist() != [2, 6]
+            or ov[:2].tolist() != [9, 0] or last.tolist() != new.tolist()):
+        raise RuntimeError("self-check failed")
 
 
 __all__ = ["CHUNK_ELEMENTS", "Diff", "Differ"]
