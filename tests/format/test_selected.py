@@ -155,7 +155,7 @@ def test_a_defect_in_a_selected_tensor_is_refused(bucket: tuple[Path, dict[int, 
     (lambda d: _tensor(d, "model.layers.1.mlp.experts.3.gate_proj.weight").update(shape=[8, 0]),
      FormatError, "past its 0 elements"),
     (lambda d: _tensor(d, "model.layers.1.mlp.experts.3.gate_proj.weight").update(name=""),
-     FormatError, "non-empty string"),
+     FormatError, "empty name"),
 ])
 def test_the_step_wide_rules_hold_over_every_tensor_in_a_view(
         bucket: tuple[Path, dict[int, Any]], change: Callable[[dict[str, Any]], None],

@@ -349,6 +349,10 @@ class TargetReport:
     switches: tuple[SwitchRecord, ...] = ()
     failures: int = 0
     last_error: str | None = None
+    max_wait_ticks: int = 0
+    """The longest a step staged on every rank waited for its switch, in ticks (the bound:
+    ``server/engine/follower.py`` ``SWITCH_BOUND_TICKS``)."""
+    ticks: int = 0
     held: str | None = None
     """Why this target's ranks resync through an anchor (the policy's hold stops scheduling)."""
     holds: tuple[Mapping[str, Any], ...] = ()
@@ -356,7 +360,8 @@ class TargetReport:
 
     def to_wire(self) -> dict[str, Any]:
         return {"switches": [s.to_wire() for s in self.switches], "failures": self.failures,
-                "last_error": self.last_error, "held": self.held,
+                "last_error": self.last_error, "max_wait_ticks": self.max_wait_ticks,
+                "ticks": self.ticks, "held": self.held,
                 "holds": [dict(h) for h in self.holds], "ranks": [dict(r) for r in self.ranks]}
 
 

@@ -41,6 +41,12 @@ STAGED_TICKS = 10
 """Ticks a staged step may wait for its switch, the ranks' staged and applied steps unchanged,
 before :meth:`TargetFollower.watch_staged` logs every rank's status once."""
 
+SWITCH_BOUND_TICKS = 1
+"""The bound (issue 34): a step staged on every rank is switched at the first tick that sees it
+(0 ticks of waiting), busy engine or not, unless the engine drains, holds, is driven by the
+trainer or resends a commit; a wait past this bound is logged with its cause and reported
+(``max_wait_ticks`` in the engine status), and the engine tests fail on it."""
+
 INCONSISTENT = "inconsistent"
 """vLLM's weight version while the ranks' weights are not one step."""
 
@@ -69,6 +75,13 @@ class TargetFollower:
         self.label: str | None = None
         """The weight version this follower last set (``labels_version``)."""
         self._staged: tuple[tuple[Any, ...], int, bool] | None = None
+        self.ticks = 0
+        """Ticks this follower ran."""
+        self._due: tuple[int, int] | None = None
+        """(step, tick) of the newest step every rank has staged, from the first tick that saw
+        it staged everywhere until its switch."""
+        self.max_wait_ticks = 0
+        """The longest a step staged on every rank waited for its switch, in ticks."""
 
     @property
     def last_error(self) -> str | None:
@@ -87,6 +100,7 @@ class TargetFollower:
              trainer_driven: bool) -> None:
         """Between two scheduler steps: switch when every rank has a common step staged."""
         self.statuses = list(statuses)
+        self.ticks += 1
         if not self.follows:
             return
         self.watch_staged(trainer_driven)
@@ -99,8 +113,11 @@ class TargetFollower:
             if self.policy.drains:
                 self.gate.release_drain()
             return
+        if self._due is None:
+            self._due = (found[0], self.ticks)
         if not may_switch or (trainer_driven and self.policy.trainer_driven
                               and self.held is None):
+            self._due = None  # switched on another schedule: not a wait of ours
             return
         if self.policy.drains and self.config.in_flight == "drain" and not self.gate.drained():
             return
@@ -126,6 +143,7 @@ class TargetFollower:
             self.label = str(step)
             self.metrics.observe_switch(step, out.pause_s)
         self.last_switched = step
+        self._waited()
         if self.held is not None:
             self._release_hold(step)
         if self.policy.drains:
@@ -138,6 +156,18 @@ class TargetFollower:
         if out.commit_error is not None:
             raise CommitFailed(out.commit_error)
         return True
+
+    def _waited(self) -> None:
+        """A switch stood: how long its step waited staged on every rank (the bound)."""
+        if self._due is None:
+            return
+        wait = self.ticks - self._due[1]
+        self._due = None
+        self.max_wait_ticks = max(self.max_wait_ticks, wait)
+        if wait > SWITCH_BOUND_TICKS:
+            logger.warning("deltasync %s: a step staged on every rank waited %d ticks for its "
+                           "switch (bound %d): held=%s draining=%s", self.name, wait,
+                           SWITCH_BOUND_TICKS, self.held, self.gate.draining)
 
     def settle_pending(self) -> bool:
         """True when some rank reports a pending switch: the last switch's commit is sent again
@@ -270,6 +300,7 @@ class TargetFollower:
             return None
         return TargetReport(
             switches=tuple(self.switches), failures=self.failures, last_error=self.last_error,
+            max_wait_ticks=self.max_wait_ticks, ticks=self.ticks,
             held=self.held, holds=tuple(dict(h) for h in self.holds),
             ranks=tuple({"rank": s.rank, "applied_step": s.applied_step,
                          "applied_id": s.applied_id, "staged_step": s.staged_step,
