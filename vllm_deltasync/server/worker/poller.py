@@ -129,6 +129,11 @@ class Poller:
         self._task: Any = None
         self._closing = False
         """Set by :meth:`close`: what fails while the loop is torn down is not reported."""
+        self._main_task: asyncio.Task[Any] | None = None
+        self._staged = 0
+        """Steps staged so far (a round that staged none waits out the poll interval)."""
+        self._aside: tuple[int | None, str] | None = None
+        """The last set-aside manifest's report, with the newest readable step at that time."""
 
     # ---------------------------------------------------------------- lifecycle
     def start(self) -> None:
@@ -138,21 +143,36 @@ class Poller:
                 logger.info("deltasync rank=%d: %s", self.rank, self.placement.describe())
             self._task = self._loop.submit(self._main())
 
-    def close(self) -> None:
-        """Stop the loop thread for good; staged steps are dropped."""
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Stop the loop thread for good; staged steps are dropped. Never raises: what does
+        not stop within ``timeout_s`` (a request stuck in a socket) is logged and left to the
+        daemon thread, so a worker shutting down never fails on it."""
         self._closing = True
         self.state.set_on_room(None)
         if self._task is not None:
             self._task.cancel()
         if not self._loop.closed:
             try:
-                self._loop.run(self._reader.close(), timeout=10)
-                self._loop.run(self._watcher.close(), timeout=10)
+                self._loop.run(self._shutdown(), timeout=timeout_s)
             except Exception:  # noqa: BLE001 - closing is best effort
                 logger.debug("poller rank=%d: close failed", self.rank, exc_info=True)
-        self._loop.close()
+        try:
+            self._loop.close()
+        except TimeoutError:
+            logger.warning("poller rank=%d: its loop did not stop in time; left to its daemon "
+                           "thread", self.rank)
         self._stager.shutdown(wait=True, cancel_futures=True)
         self.state.drop_staged()
+
+    async def _shutdown(self) -> None:
+        """On the loop: the main task ends first (nothing then uses the reader), then the
+        reader and the watcher close."""
+        main = self._main_task
+        if main is not None and main is not asyncio.current_task():
+            main.cancel()
+            await asyncio.gather(main, return_exceptions=True)
+        await self._reader.close()
+        await self._watcher.close()
 
     # ------------------------------------------------------------ any thread
     def ready_steps(self) -> list[int]:
@@ -191,13 +211,15 @@ class Poller:
                 loop.call_soon_threadsafe(room.set)
 
     async def _main(self) -> None:
+        self._main_task = asyncio.current_task()
         self._room = asyncio.Event()
         if self.config.on_start == "wait":
             self._floor = await self._guarded(self._reader.latest_step(), "discover")
-        while True:
+        while not self._closing:
+            began, staged = time.monotonic(), self._staged
             try:
                 if await self._round():
-                    self.state.set_poll_error(None)
+                    self.state.set_poll_error(self._standing_error())
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # noqa: BLE001 - any failure is reported, then retried
@@ -205,7 +227,8 @@ class Poller:
                     raise asyncio.CancelledError from exc  # torn down under it: not a failure
                 self._report(exc)
                 self._remember_bad(exc)
-                await asyncio.sleep(self.config.poll_interval_s)
+            if self._staged == staged:  # nothing staged: at most one round per poll interval
+                await asyncio.sleep(max(0.0, began + self.config.poll_interval_s - time.monotonic()))
 
     def _remember_bad(self, exc: BaseException) -> None:
         """A step that failed verification is not downloaded again before its backoff ends
@@ -326,6 +349,7 @@ class Poller:
             below = manifest
             if not self.state.stage(generation, staged):
                 return True  # reset while staging: plan again from the new base
+            self._staged += 1
             logger.info(
                 "deltasync staged step=%d kind=%s rank=%d bytes=%d in %.3fs",
                 manifest.step, manifest.kind, self.rank, staged.downloaded_bytes, staged.download_s,
@@ -338,11 +362,26 @@ class Poller:
         step published after it. The newest step that reads is followed instead; each skipped
         manifest is reported once, by name. (A format this release does not read is not
         skipped: the rank must say it cannot follow, see :class:`UnsupportedFormatError`.)"""
-        logger.warning("deltasync rank=%d: %s", self.rank,
-                       redact_text(skipped_line(self._reader, step, exc)))
+        line = redact_text(skipped_line(self._reader, step, exc))
+        logger.warning("deltasync rank=%d: %s", self.rank, line)
+        self.stats.add_failure("discover", exc)
         steps = [s for s in await self._guarded(self._reader.list_steps(), "discover") if s < step]
         newest = await self._guarded(newest_readable(self._reader, steps), "discover")
         self._watcher.set_aside(step, None if newest is None else newest[0])
+        self._aside = (self._watcher.latest, f"{error_reason(exc)}: {line}")
+        self.state.set_poll_error(self._aside[1])
+
+    def _standing_error(self) -> str | None:
+        """What a round that went through still reports: the last set-aside manifest, until a
+        step newer than the newest readable one at that time is seen (the bucket's newest name
+        held no step this rank can follow: status says so in ``last_error`` meanwhile)."""
+        if self._aside is None:
+            return None
+        latest = self._watcher.latest
+        if latest is not None and (self._aside[0] is None or latest > self._aside[0]):
+            self._aside = None  # a newer step came: the rank follows again
+            return None
+        return self._aside[1]
 
     async def _wait_for_room(self) -> None:
         assert self._room is not None
