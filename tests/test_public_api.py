@@ -333,6 +333,9 @@ SAMPLES: dict[str, tuple[str, Any]] = {
     "cpu_kernels": ("inplace", "inplace"),
     "decoder": ("numpy", "numpy"),
     "staging_cpus": ("2-3", "2-3"),
+    "mirror_urls": ("http://cache-a:8080/run, http://cache-b:8080/run",
+                    ("http://cache-a:8080/run", "http://cache-b:8080/run")),
+    "fetch_jitter_s": ("1.5", 1.5),
     "store_options": ('{"addressing_style": "path"}', {"addressing_style": "path"}),
 }
 
@@ -347,19 +350,19 @@ def _readme_options() -> dict[str, str]:
 
 
 def test_every_option_is_documented_and_sampled() -> None:
-    from vllm_deltasync.config import ENV_PREFIX, SyncConfig
+    from vllm_deltasync.config import SyncConfig, env_name
 
     fields = [f.name for f in dataclasses.fields(SyncConfig)]
     assert sorted(SAMPLES) == sorted(fields), "add a sample value for each SyncConfig field"
-    assert _readme_options() == {n: ENV_PREFIX + n.upper() for n in fields}
+    assert _readme_options() == {n: env_name(n) for n in fields}
 
 
 @pytest.mark.parametrize("name", sorted(SAMPLES))
 def test_each_option_parses_from_env_and_additional_config(name: str) -> None:
-    from vllm_deltasync.config import SyncConfig
+    from vllm_deltasync.config import SyncConfig, env_name
 
     raw, expected = SAMPLES[name]
-    env = {f"VLLM_DELTASYNC_{name.upper()}": raw}
+    env = {env_name(name): raw}
     if name != "url":
         env["VLLM_DELTASYNC_URL"] = "file:///data/bucket"
     cfg = SyncConfig.from_sources({}, env)
@@ -381,7 +384,9 @@ def test_all_options_at_once_and_secrets_hidden() -> None:
     from vllm_deltasync.config import SyncConfig
 
     together = {n: v for n, v in SAMPLES.items() if n != "drafter_prefix"}  # excludes drafter_url
-    env = {f"VLLM_DELTASYNC_{n.upper()}": raw for n, (raw, _) in together.items()}
+    from vllm_deltasync.config import env_name
+
+    env = {env_name(n): raw for n, (raw, _) in together.items()}
     cfg = SyncConfig.from_sources({}, env)
     for name, (_, expected) in together.items():
         assert getattr(cfg, name) == expected, name

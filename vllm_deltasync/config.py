@@ -5,7 +5,8 @@ Built from two sources, the second winning per field:
 1. ``--additional-config '{"deltasync": {"url": "file:///data/bucket", "poll_interval_s": 1}}'``
    (reaches every vLLM process as ``vllm_config.additional_config``);
 2. environment variables ``VLLM_DELTASYNC_<FIELD>`` in upper case, e.g. ``VLLM_DELTASYNC_URL``,
-   ``VLLM_DELTASYNC_POLL_INTERVAL_S`` (inherited by every process vLLM starts).
+   ``VLLM_DELTASYNC_POLL_INTERVAL_S`` (inherited by every process vLLM starts); ``mirror_urls``
+   is ``VLLM_DELTASYNC_MIRRORS`` (:data:`ENV_NAMES`).
 
 Both are read by :meth:`SyncConfig.from_sources`, which takes the mappings as arguments, so
 nothing here touches ``os.environ``. The URL may carry credentials (``s3://key:secret@...``);
@@ -24,6 +25,14 @@ from vllm_deltasync._urls import redact_url
 from vllm_deltasync.errors import ConfigError
 
 ENV_PREFIX = "VLLM_DELTASYNC_"
+ENV_NAMES = {"mirror_urls": "MIRRORS"}
+"""Options whose variable is not ``VLLM_DELTASYNC_<OPTION>``: ``mirror_urls`` is read from
+``VLLM_DELTASYNC_MIRRORS``."""
+
+
+def env_name(option: str) -> str:
+    """The environment variable of ``option``."""
+    return ENV_PREFIX + ENV_NAMES.get(option, option.upper())
 ADDITIONAL_CONFIG_KEY = "deltasync"
 
 OnStart = Literal["catch_up", "wait"]
@@ -151,6 +160,18 @@ class SyncConfig:
     e.g. the cores vLLM reserves for the engine core; the binding is kept where none is free.
     ``inherit``: keep the binding. A cpu list (``"2,3"``, ``"2-5"``): those cores."""
 
+    mirror_urls: tuple[str, ...] = ()
+    """HTTP caches data objects are read from before the bucket (base URLs; comma-separated in
+    ``VLLM_DELTASYNC_MIRRORS``): ``GET <mirror>/<key>`` with ``Range``, ``<key>`` the object's
+    path under ``url`` (docs/transports.md, "Mirrors"). Manifests and discovery stay on the
+    bucket, every byte is checked against its manifest whoever served it, a mirror that fails
+    is skipped for a while (the bucket serves). No credentials in a mirror URL."""
+
+    fetch_jitter_s: float | None = None
+    """Replicas that discover a step at the same moment spread their downloads: each waits a
+    random time in [0, fetch_jitter_s) before downloading a step. None: one poll interval on a
+    network bucket (hf://, s3://), 0 on file:// and memory://; 0: no wait."""
+
     store_options: dict[str, Any] = field(default_factory=dict, repr=False)
     """Options for the bucket backend, as a JSON object (``VLLM_DELTASYNC_STORE_OPTIONS=
     '{"addressing_style": "path"}'``): e.g. ``endpoint_url``/``region_name``/``addressing_style``
@@ -209,6 +230,14 @@ class SyncConfig:
                 raise ConfigError(
                     f"deltasync staging_cpus={self.staging_cpus!r}: {exc}; use 'auto', "
                     "'inherit' or a cpu list such as '2,3' or '2-5'") from None
+        if self.mirror_urls:
+            from vllm_deltasync.stores.mirrors import check_mirror_urls
+
+            object.__setattr__(self, "mirror_urls",
+                               check_mirror_urls(self.mirror_urls, "deltasync mirror_urls"))
+        if self.fetch_jitter_s is not None and not 0 <= self.fetch_jitter_s <= 3600:
+            raise ConfigError(f"deltasync fetch_jitter_s={self.fetch_jitter_s} must be between 0 "
+                              "and 3600 seconds (unset: one poll interval on a network bucket)")
         if not isinstance(self.store_options, Mapping):
             raise ConfigError("deltasync store_options must be a JSON object of backend options")
         if not 0 <= self.metrics_port < 65536:
@@ -262,14 +291,15 @@ class SyncConfig:
                 )
             values[key] = _coerce(known[key], value, f"additional_config.deltasync.{key}")
         for name, f in known.items():
-            raw = environ.get(ENV_PREFIX + name.upper())
+            raw = environ.get(env_name(name))
             if raw is not None and raw != "":
-                values[name] = _coerce(f, raw, ENV_PREFIX + name.upper())
+                values[name] = _coerce(f, raw, env_name(name))
+        variables = {env_name(n) for n in known}
         for var in environ:
-            if var.startswith(ENV_PREFIX) and var[len(ENV_PREFIX):].lower() not in known:
+            if var.startswith(ENV_PREFIX) and var not in variables:
                 raise ConfigError(
                     f"environment variable {var} is not a deltasync option; known: "
-                    + ", ".join(ENV_PREFIX + n.upper() for n in known)
+                    + ", ".join(env_name(n) for n in known)
                 )
         if "url" not in values:
             raise ConfigError(
@@ -347,6 +377,9 @@ def _coerce(f: dataclasses.Field[Any], value: Any, where: str) -> Any:
             return int(value)
         if kind.startswith("float"):
             return float(value)
+        if kind.startswith("tuple"):  # a list in JSON, comma-separated in a variable
+            items = value.split(",") if isinstance(value, str) else list(value)
+            return tuple(str(i).strip() for i in items if str(i).strip())
         if kind.startswith("dict"):
             return dict(_json_object(value, where) if isinstance(value, str) else value)
         return str(value)
@@ -355,4 +388,4 @@ def _coerce(f: dataclasses.Field[Any], value: Any, where: str) -> Any:
         raise ConfigError(f"{where}={shown} is not a valid {kind}: {exc}") from exc
 
 
-__all__ = ["ENV_PREFIX", "ConfigError", "SyncConfig", "is_configured", "parse_cpu_list"]
+__all__ = ["ENV_NAMES", "ENV_PREFIX", "ConfigError", "SyncConfig", "is_configured", "parse_cpu_list"]

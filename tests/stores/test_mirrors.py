@@ -211,3 +211,16 @@ def test_a_mirror_url_with_credentials_or_not_http_is_refused_unshown(url: str) 
     with pytest.raises(ConfigError) as info:
         check_mirror_urls(f"http://ok.local:8080, {url}")
     assert "s3cr3t-value" not in str(info.value)
+    from vllm_deltasync.config import SyncConfig
+
+    with pytest.raises(ConfigError) as info:
+        SyncConfig(url="file:///b", mirror_urls=(url,))
+    assert "s3cr3t-value" not in str(info.value) and "mirror_urls" in str(info.value)
+
+
+def test_mirror_urls_from_a_variable() -> None:
+    from vllm_deltasync.config import SyncConfig
+
+    cfg = SyncConfig.from_sources({}, {"VLLM_DELTASYNC_URL": "file:///b",
+                                       "VLLM_DELTASYNC_MIRRORS": "http://a:80/x/, https://b/y"})
+    assert cfg.mirror_urls == ("http://a:80/x", "https://b/y")
