@@ -169,8 +169,8 @@ class SyncConfig:
 
     fetch_jitter_s: float | None = None
     """Replicas that discover a step at the same moment spread their downloads: each waits a
-    random time in [0, fetch_jitter_s) before downloading a step. None: one poll interval on a
-    network bucket (hf://, s3://), 0 on file:// and memory://; 0: no wait."""
+    random time in [0, fetch_jitter_s) before downloading a step. None: ``min(poll_interval_s,
+    5)`` on a network bucket (hf://, s3://), 0 on file:// and memory://; 0: no wait."""
 
     store_options: dict[str, Any] = field(default_factory=dict, repr=False)
     """Options for the bucket backend, as a JSON object (``VLLM_DELTASYNC_STORE_OPTIONS=

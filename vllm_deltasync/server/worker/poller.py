@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import random
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -46,6 +47,7 @@ from vllm_deltasync.server.worker.discovery import StepWatcher
 from vllm_deltasync.server.worker.state import StagedStep, SyncState
 from vllm_deltasync.stores import open_store
 from vllm_deltasync.stores.base import Store
+from vllm_deltasync.stores.mirrors import MirroredStore
 
 logger = logging.getLogger(__name__)
 
@@ -129,6 +131,9 @@ class Poller:
         self._task: Any = None
         self._closing = False
         """Set by :meth:`close`: what fails while the loop is torn down is not reported."""
+        self._jitter_s = fetch_jitter_s(config, self._reader.store.scheme)
+        self._spread_for: int | None = None
+        """The last target waited for (:meth:`_spread`): a step is waited for once."""
         self._main_task: asyncio.Task[Any] | None = None
         self._staged = 0
         """Steps staged so far (a round that staged none waits out the poll interval)."""
@@ -342,6 +347,7 @@ class Poller:
             logger.warning("deltasync rank=%d: step %d is on a chain through step %d, whose "
                            "switch failed; waiting for a newer anchor", self.rank, target, bad[-1])
             return True
+        await self._spread(target)
         below = base
         for manifest in plan:
             await self._wait_for_room()
@@ -355,6 +361,15 @@ class Poller:
                 manifest.step, manifest.kind, self.rank, staged.downloaded_bytes, staged.download_s,
             )
         return True
+
+    async def _spread(self, target: int) -> None:
+        """No thundering herd: before downloading a step it has not waited for yet, the rank
+        waits a random time in [0, :func:`fetch_jitter_s`), so a fleet that discovers a step
+        at once spreads its downloads (and the first ones warm a mirror for the rest)."""
+        if self._jitter_s <= 0 or target == self._spread_for:
+            return
+        self._spread_for = target
+        await asyncio.sleep(random.uniform(0.0, self._jitter_s))
 
     async def _set_aside(self, step: int, exc: FormatError) -> None:
         """The newest listed step's manifest does not read (garbage under a step's name,
@@ -518,6 +533,8 @@ def open_node_store(config: SyncConfig, node_ranks: int) -> Store:
     (``auto``: when the engine runs more than one rank and the bucket is remote; a ``file://``
     bucket is already on the node)."""
     store = open_store(config.url, **dict(config.store_options))
+    if config.mirror_urls:  # data objects from the mirrors first (below the node cache)
+        store = MirroredStore(store, config.mirror_urls)
     if config.node_cache == "off" or (config.node_cache == "auto" and (
             node_ranks < 2 or store.scheme in ("file", "memory"))):
         return store
@@ -526,6 +543,17 @@ def open_node_store(config: SyncConfig, node_ranks: int) -> Store:
     base = Path(config.node_cache_dir) if config.node_cache_dir else default_base()
     return NodeCachedStore(store, cache_root(base, config.url),
                            ttl_s=max(600.0, 100 * config.poll_interval_s))
+
+
+def fetch_jitter_s(config: SyncConfig, scheme: str) -> float:
+    """The longest random wait before downloading a newly discovered step: ``fetch_jitter_s``
+    when set, else on a network bucket one poll interval, at most 5 s (replicas probing at
+    random phases already discover a step within one poll interval of each other, or all at
+    once through the events feed: their downloads then spread over about that much more), and
+    none on ``file://`` and ``memory://`` (no remote origin to spare)."""
+    if config.fetch_jitter_s is not None:
+        return config.fetch_jitter_s
+    return 0.0 if scheme in ("file", "memory") else min(config.poll_interval_s, 5.0)
 
 
 def _step_of(exc: BaseException) -> int | None:
@@ -546,4 +574,4 @@ def _stage_of(exc: BaseException) -> str:
     return "discover"
 
 
-__all__ = ["Each", "Poller", "Prepare"]
+__all__ = ["Each", "Poller", "Prepare", "fetch_jitter_s"]
