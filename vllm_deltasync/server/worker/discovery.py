@@ -247,8 +247,9 @@ class StepWatcher:
             await self._back_off(exc)
 
     async def _check_feed(self, after: int | None) -> None:
-        """While the feed is live, probe the next name now and then: a step the feed did not
-        announce means it went silent; distrust it (poll) for ``events_retry_s``."""
+        """While the feed is live and has announced nothing for ``events_check_s``, probe the
+        next name: a step the feed did not announce means it went silent; distrust it (poll)
+        for ``events_retry_s``."""
         self._checked_at = time.monotonic()
         known = self.latest
         if known is None:
@@ -457,6 +458,7 @@ class StepWatcher:
                     self._wake.set()
                 elif event.kind == "changes":
                     self.stats.events_received += 1
+                    self._checked_at = time.monotonic()  # the feed speaks: no probe needed yet
                     for step in (parse_manifest_path(p) for p in event.paths):
                         if step is not None:
                             self._note(step)

@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 from vllm_deltasync._loop import BackgroundLoop
 from vllm_deltasync._urls import redact_text
@@ -103,10 +103,7 @@ class Poller:
         )
         self._reader.thread_init = self.placement.place
         self._watcher = StepWatcher(
-            self._reader.store,
-            probe_interval_s=config.poll_interval_s,
-            listing_interval_s=max(60.0, config.poll_interval_s),
-            empty_listing_interval_s=config.poll_interval_s,
+            self._reader.store, **watcher_options(config),
             # discovery backs off like the store retries (store_options.retry_policy)
             retry_policy=getattr(self._reader.store, "retry_policy", None),
         )
@@ -117,7 +114,7 @@ class Poller:
         self._bad: dict[int, tuple[int, float]] = {}
         """Steps that failed verification -> (failures, monotonic time of the next try)."""
         self._reader.remember_failures_s = config.poll_interval_s
-        self.branch_check_s = min(60.0, max(2.0, 10 * config.poll_interval_s))
+        self.branch_check_s = branch_check_s(config)
         """How often the applied step's manifest is read again from the bucket, to see that
         the bucket still continues it (a trainer restart, a second writer, a wiped bucket)."""
         self._next_branch_check = 0.0
@@ -331,6 +328,10 @@ class Poller:
         self._unplannable = None
         if plan and plan[0].kind == "anchor" and base is not None and base.identity is not None:
             await self._check_branch(now=True)  # through an anchor: say so if ours is gone
+        elif plan and applied is not None and base is not None and base.identity == applied.identity:
+            # the bucket's newest step names the applied one as its base: the branch holds,
+            # no need to read the applied manifest again for a while (a fleet's request budget)
+            self._next_branch_check = time.monotonic() + self.branch_check_s
         if plan and base is not None and plan[0].step <= base.step and base is not applied:
             # planned from a staged step or the one being written, the bucket's chain now goes
             # through an anchor at or below it (a second writer, a restart replaced it): drop
@@ -545,6 +546,25 @@ def open_node_store(config: SyncConfig, node_ranks: int) -> Store:
                            ttl_s=max(600.0, 100 * config.poll_interval_s))
 
 
+class WatchIntervals(TypedDict):
+    probe_interval_s: float
+    listing_interval_s: float
+    empty_listing_interval_s: float
+
+
+def watcher_options(config: SyncConfig) -> WatchIntervals:
+    """The discovery intervals of a rank (``StepWatcher`` keywords; benchmarks/bench_fleet.py
+    runs its replicas with them): a probe every poll interval, a listing every minute."""
+    return {"probe_interval_s": config.poll_interval_s,
+            "listing_interval_s": max(60.0, config.poll_interval_s),
+            "empty_listing_interval_s": config.poll_interval_s}
+
+
+def branch_check_s(config: SyncConfig) -> float:
+    """How often the applied step's manifest is read again while no newer step continues it."""
+    return min(60.0, max(2.0, 10 * config.poll_interval_s))
+
+
 def fetch_jitter_s(config: SyncConfig, scheme: str) -> float:
     """The longest random wait before downloading a newly discovered step: ``fetch_jitter_s``
     when set, else on a network bucket one poll interval, at most 5 s (replicas probing at
@@ -574,4 +594,4 @@ def _stage_of(exc: BaseException) -> str:
     return "discover"
 
 
-__all__ = ["Each", "Poller", "Prepare", "fetch_jitter_s"]
+__all__ = ["Each", "Poller", "Prepare", "branch_check_s", "fetch_jitter_s", "watcher_options"]
