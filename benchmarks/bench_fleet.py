@@ -131,8 +131,8 @@ async def _replica(i: int, spec: dict[str, Any], sessions: tuple[Any, Any],
     from vllm_deltasync.config import SyncConfig
     from vllm_deltasync.format.manifest import Manifest
     from vllm_deltasync.format.reader import BucketReader
+    from vllm_deltasync.server.worker.bucket import branch_check_s, fetch_jitter_s, watcher_options
     from vllm_deltasync.server.worker.discovery import StepWatcher
-    from vllm_deltasync.server.worker.poller import branch_check_s, fetch_jitter_s, watcher_options
     from vllm_deltasync.stores import RetryPolicy
     from vllm_deltasync.stores.base import Store
     from vllm_deltasync.stores.hf import HfOptions, HfStore

@@ -24,6 +24,7 @@ from vllm_deltasync import DeltaPublisher
 from vllm_deltasync.config import SyncConfig
 from vllm_deltasync.format.layout import parse_data_path
 from vllm_deltasync.server import metrics
+from vllm_deltasync.server.worker import bucket as bucket_module
 from vllm_deltasync.server.worker import poller as poller_module
 
 
@@ -104,7 +105,7 @@ def test_a_rank_behind_a_corrupt_mirror_applies_only_verified_bytes(
 def test_the_jitter_rule() -> None:
     def rule(url: str, **kw: Any) -> float:
         cfg = SyncConfig(url=url, **kw)
-        return poller_module.fetch_jitter_s(cfg, url.split("://")[0])
+        return bucket_module.fetch_jitter_s(cfg, url.split("://")[0])
 
     assert rule("hf://buckets/a/b", poll_interval_s=2.0) == 2.0  # one poll interval
     assert rule("s3://b/p", poll_interval_s=30.0) == 5.0  # at most 5 s

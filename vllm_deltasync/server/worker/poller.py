@@ -22,8 +22,7 @@ import random
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
-from typing import Any, TypedDict
+from typing import Any
 
 from vllm_deltasync._loop import BackgroundLoop
 from vllm_deltasync._urls import redact_text
@@ -43,11 +42,14 @@ from vllm_deltasync.format.reader import BucketReader, short_id
 from vllm_deltasync.server.messages import RankStatus
 from vllm_deltasync.server.metrics import WorkerStats, error_reason
 from vllm_deltasync.server.worker.affinity import Placement, format_cpus, plan_staging
+from vllm_deltasync.server.worker.bucket import (
+    branch_check_s,
+    fetch_jitter_s,
+    open_node_store,
+    watcher_options,
+)
 from vllm_deltasync.server.worker.discovery import StepWatcher
 from vllm_deltasync.server.worker.state import StagedStep, SyncState
-from vllm_deltasync.stores import open_store
-from vllm_deltasync.stores.base import Store
-from vllm_deltasync.stores.mirrors import MirroredStore
 
 logger = logging.getLogger(__name__)
 
@@ -529,53 +531,6 @@ class Poller:
         return current.identity != manifest.identity
 
 
-def open_node_store(config: SyncConfig, node_ranks: int) -> Store:
-    """The bucket's store, read through the node cache when ``config.node_cache`` asks for it
-    (``auto``: when the engine runs more than one rank and the bucket is remote; a ``file://``
-    bucket is already on the node)."""
-    store = open_store(config.url, **dict(config.store_options))
-    if config.mirror_urls:  # data objects from the mirrors first (below the node cache)
-        store = MirroredStore(store, config.mirror_urls)
-    if config.node_cache == "off" or (config.node_cache == "auto" and (
-            node_ranks < 2 or store.scheme in ("file", "memory"))):
-        return store
-    from vllm_deltasync.stores.nodecache import NodeCachedStore, cache_root, default_base
-
-    base = Path(config.node_cache_dir) if config.node_cache_dir else default_base()
-    return NodeCachedStore(store, cache_root(base, config.url),
-                           ttl_s=max(600.0, 100 * config.poll_interval_s))
-
-
-class WatchIntervals(TypedDict):
-    probe_interval_s: float
-    listing_interval_s: float
-    empty_listing_interval_s: float
-
-
-def watcher_options(config: SyncConfig) -> WatchIntervals:
-    """The discovery intervals of a rank (``StepWatcher`` keywords; benchmarks/bench_fleet.py
-    runs its replicas with them): a probe every poll interval, a listing every minute."""
-    return {"probe_interval_s": config.poll_interval_s,
-            "listing_interval_s": max(60.0, config.poll_interval_s),
-            "empty_listing_interval_s": config.poll_interval_s}
-
-
-def branch_check_s(config: SyncConfig) -> float:
-    """How often the applied step's manifest is read again while no newer step continues it."""
-    return min(60.0, max(2.0, 10 * config.poll_interval_s))
-
-
-def fetch_jitter_s(config: SyncConfig, scheme: str) -> float:
-    """The longest random wait before downloading a newly discovered step: ``fetch_jitter_s``
-    when set, else on a network bucket one poll interval, at most 5 s (replicas probing at
-    random phases already discover a step within one poll interval of each other, or all at
-    once through the events feed: their downloads then spread over about that much more), and
-    none on ``file://`` and ``memory://`` (no remote origin to spare)."""
-    if config.fetch_jitter_s is not None:
-        return config.fetch_jitter_s
-    return 0.0 if scheme in ("file", "memory") else min(config.poll_interval_s, 5.0)
-
-
 def _step_of(exc: BaseException) -> int | None:
     for note in reversed(getattr(exc, "__notes__", ()) or ()):
         if note.startswith("step=") and note[5:].isdigit():
@@ -594,4 +549,4 @@ def _stage_of(exc: BaseException) -> str:
     return "discover"
 
 
-__all__ = ["Each", "Poller", "Prepare", "branch_check_s", "fetch_jitter_s", "watcher_options"]
+__all__ = ["Each", "Poller", "Prepare", "open_node_store"]
