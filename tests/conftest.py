@@ -1,5 +1,5 @@
-"""Fixtures shared by every test folder: a per-test event loop, the local Hub bucket server and
-moto's S3 server.
+"""Fixtures shared by every test folder: a per-test event loop, the local Hub bucket server,
+moto's S3 server, and mirrors in front of them (a real nginx cache, mirrors that fail).
 
 The two servers are started once per session on loopback; each test gets a fresh bucket
 (``make_hf_store`` / ``make_s3_store``) and the Hub server's fault switches, quotas and logs
@@ -39,7 +39,7 @@ from vllm_deltasync.stores.hf import HfStore
 from vllm_deltasync.stores.s3 import S3Store
 
 from .host_probe import KINDS
-from .stores import hubserver
+from .stores import hubserver, mirrorserver
 
 
 def _ephemeral_low() -> int:
@@ -394,3 +394,56 @@ def make_s3_store(s3_endpoint: str, run: Any) -> Iterator[Callable[..., S3Store]
 @pytest.fixture
 def s3_store(make_s3_store: Callable[..., S3Store]) -> S3Store:
     return make_s3_store()
+
+
+# -- mirrors ----------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def make_mirror() -> Iterator[Callable[..., Any]]:
+    """``make_mirror(origin, authorization="")``: nginx on loopback as a caching mirror of
+    ``origin`` (the base URL object keys are appended to), configured from deploy/nginx/'s
+    template, in its own directory with its own cache; stopped after the test."""
+    if mirrorserver.nginx_binary() is None:
+        pytest.skip("nginx is not installed (scripts/setup.sh installs Debian's nginx-light)")
+    made: list[Any] = []
+
+    def make(origin: str, authorization: str = "") -> Any:
+        mirror = mirrorserver.NginxMirror(origin, authorization)
+        mirror.start()
+        made.append(mirror)
+        return mirror
+
+    yield make
+    for mirror in made:
+        mirror.stop()
+
+
+@pytest.fixture
+def make_bad_mirror() -> Iterator[Callable[..., Any]]:
+    """``make_bad_mirror(source, mode)``: a mirror that fails on purpose (``corrupt``, ``hang``,
+    ``trickle``; tests/stores/mirrorserver.py ``BadMirror``), recording what it was asked."""
+    made: list[Any] = []
+
+    def make(source: Callable[[str], bytes | None], mode: str = "corrupt", **kw: Any) -> Any:
+        mirror = mirrorserver.BadMirror(source, mode, **kw).__enter__()
+        made.append(mirror)
+        return mirror
+
+    yield make
+    for mirror in made:
+        mirror.__exit__(None, None, None)
+
+
+@pytest.fixture
+def dead_mirror() -> str:
+    """A loopback mirror URL nothing listens on (connections are refused)."""
+    return mirrorserver.dead_mirror_url()
+
+
+def hub_origin(hub: Any, store: HfStore) -> tuple[str, str]:
+    """What a mirror of ``store`` (on the local Hub server) fetches from: the resolve base URL
+    of its prefix and the ``Authorization`` the mirror sends there."""
+    tail = f"{store.prefix}/" if store.prefix else ""
+    return (f"{hub.endpoint}/buckets/{store.bucket_id}/resolve/{tail}",
+            f"Bearer {hub.token}")

@@ -191,18 +191,22 @@ class SyncConfig:
     credential chains to keys here; this field is never shown in ``repr`` or logs."""
 
     mirror_urls: tuple[str, ...] = _opt((), Rule("http_urls", env=ENV_PREFIX + "MIRRORS"))
-    """http(s) base URLs of read-only mirrors of the bucket (the bucket's own paths,
-    ``manifests/...`` and ``data/...``, under each), in the order to try them; environment
-    variable ``VLLM_DELTASYNC_MIRRORS``, comma-separated (a JSON list of strings in
-    ``additional_config``). At most 16, each listed once, without credentials, query string
-    or fragment. Parsed and validated; no reader uses it yet."""
+    """http(s) base URLs of read-only mirrors (HTTP caches) of the bucket: data objects are read
+    from ``<mirror>/<key>`` (with ``Range``; ``<key>`` the object's path under ``url``) before
+    the bucket, in this order; manifests and discovery stay on the bucket; every byte is checked
+    against its manifest whoever served it, and a mirror that fails is skipped for a while
+    (``stores/mirrors.py``; docs/transports.md, "Mirrors"). Environment variable
+    ``VLLM_DELTASYNC_MIRRORS``, comma-separated (a JSON list of strings in
+    ``additional_config``). At most 16, each listed once, without credentials, query string or
+    fragment."""
 
     fetch_jitter_s: float | None = _opt(
         None, Rule("float", 0.0, 600.0, optional=True, unit=" seconds"))
     """A random delay, up to this many seconds, before a rank fetches a step it just
     discovered, so that a fleet does not hit the bucket at the same instant. None (``none``):
-    sized from ``poll_interval_s``, ``min(poll_interval_s, 5)`` (:attr:`fetch_jitter_bound_s`);
-    0: none. From 0 to 600. Parsed and validated; no reader uses it yet."""
+    sized from ``poll_interval_s``: ``min(poll_interval_s, 5)`` on a network bucket (hf://,
+    s3://), none on file:// and memory:// (``server/worker/bucket.py`` ``fetch_jitter_s``); 0:
+    none. From 0 to 600."""
 
     lora_urls: dict[str, str] = field(default_factory=dict,
                                       metadata={_RULE: Rule("buckets_by_name")})
@@ -246,14 +250,6 @@ class SyncConfig:
     def redacted_url(self) -> str:
         """The URL without user, password or query string (safe to log)."""
         return redact_url(self.url)
-
-    @property
-    def fetch_jitter_bound_s(self) -> float:
-        """The largest random delay before fetching a discovered step: ``fetch_jitter_s``, or
-        ``min(poll_interval_s, 5)`` when it is None."""
-        if self.fetch_jitter_s is not None:
-            return self.fetch_jitter_s
-        return min(self.poll_interval_s, 5.0)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain values (url included, unredacted): for passing between processes."""

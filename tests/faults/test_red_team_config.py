@@ -216,17 +216,19 @@ def test_A4_additional_config_string_list_and_loose_integers() -> None:
 
 def test_new_fields_parse_validate_and_default() -> None:
     from vllm_deltasync.config import rule_of
+    from vllm_deltasync.server.worker.bucket import fetch_jitter_s
 
     cfg = SyncConfig(url="file:///b")
     assert cfg.mirror_urls == () and cfg.fetch_jitter_s is None and cfg.lora_urls == {}
-    assert cfg.lora_versions_kept == 2 and cfg.fetch_jitter_bound_s == 2.0
-    assert dataclasses.replace(cfg, poll_interval_s=30.0).fetch_jitter_bound_s == 5.0
+    assert cfg.lora_versions_kept == 2
+    assert fetch_jitter_s(cfg, "file") == 0.0 and fetch_jitter_s(cfg, "hf") == 2.0
+    assert fetch_jitter_s(dataclasses.replace(cfg, poll_interval_s=30.0), "s3") == 5.0
     env = {**URL, "VLLM_DELTASYNC_MIRRORS": "https://a.example/b,http://[::1]:8080/b",
            "VLLM_DELTASYNC_IN_FLIGHT": "keep_kv", "VLLM_DELTASYNC_FETCH_JITTER_S": "0",
            "VLLM_DELTASYNC_LORA_URLS": '{"math-v1.2": "file:///a/math"}'}
     cfg = SyncConfig.from_sources({}, env)
     assert cfg.mirror_urls == ("https://a.example/b", "http://[::1]:8080/b")
-    assert cfg.in_flight == "keep_kv" and cfg.fetch_jitter_bound_s == 0.0
+    assert cfg.in_flight == "keep_kv" and fetch_jitter_s(cfg, "hf") == 0.0
     assert cfg.lora_urls == {"math-v1.2": "file:///a/math"}
     bad_mirrors = ["s3://b/p", "https://a/b?t=1", "https://a:99999/b", "https://a/b,https://a/b",
                    "https://", ",".join(f"https://m{i}" for i in range(17)), "https://a,"]

@@ -1,5 +1,5 @@
 """Fault matrix, the project's own scripts (item 9): ``scripts/setup.sh`` installs Debian's
-prometheus package without the package's service starting (a policy-rc.d it removes only if
+prometheus and nginx-light packages without the packages' services starting (a policy-rc.d it removes only if
 it created it) and never stops anything it did not start, such as a user's own Prometheus.
 """
 
@@ -55,6 +55,7 @@ def test_setup_keeps_the_package_service_from_starting(tmp_path: Path) -> None:
     calls, policy = _run_block(tmp_path, existing_policy=False)
     installs = [c for c in calls if c.startswith("apt-get") and "install" in c]
     assert installs and all(c.endswith("policy=101") for c in installs), calls
+    assert all(" prometheus " in c and " nginx-light " in c for c in installs), calls
     assert not any(c.split()[0] in ("pkill", "killall", "service", "systemctl") for c in calls)
     assert not policy.exists()  # it created the policy, so it removed it
 

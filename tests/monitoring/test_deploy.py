@@ -134,12 +134,19 @@ def test_grafana_provisioning() -> None:
 def test_compose_services_and_mounts() -> None:
     doc = yaml.safe_load((DEPLOY / "compose.yaml").read_text())
     services = doc["services"]
-    assert set(services) == {"rollout", "prometheus", "grafana"}
+    assert set(services) == {"rollout", "prometheus", "grafana", "mirror"}
     rollout = services["rollout"]
     assert "vllm_deltasync.DeltaSyncExtension" in rollout["command"]
     assert (DEPLOY / rollout["build"]["context"] / rollout["build"]["dockerfile"]).is_file()
     assert "VLLM_DELTASYNC_URL" in rollout["environment"]
     assert "9464:9464" in rollout["ports"]
+    mirror = services["mirror"]
+    assert mirror["profiles"] == ["mirror"] and "VLLM_DELTASYNC_MIRRORS" in rollout["environment"]
+    rendered = {v.split(":")[1] for v in mirror["volumes"] if v.startswith(".")}
+    assert rendered == {"/etc/nginx/templates/deltasync-mirror.conf.template"}
+    # every variable the template uses is set by the service (the image's envsubst fills them)
+    template = (DEPLOY / "nginx" / "deltasync-mirror.conf.template").read_text()
+    assert set(re.findall(r"\$\{(MIRROR_[A-Z_]+)\}", template)) == set(mirror["environment"])
     for service in services.values():
         for volume in service.get("volumes", []):
             source = volume.split(":")[0]

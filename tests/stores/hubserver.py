@@ -120,6 +120,7 @@ class HubServer:
         api.router.add_get(b + "/events", self._events)
         api.router.add_route("*", "/buckets/{ns}/{name}/resolve/{path:.*}", self._resolve)
         api.router.add_put("/_test/upload/{ns}/{name}/{path:.*}", self._test_upload)
+        api.router.add_get("/_test/log", self._test_log)
         cdn.router.add_get("/cdn/{ns}/{name}/{path:.*}", self._cdn_get)
         self.endpoint = await self._serve(api, "127.0.0.1")
         self.cdn = await self._serve(cdn, "127.0.0.2")
@@ -286,6 +287,14 @@ class HubServer:
         await self._store(bucket_id, unquote(request.match_info["path"]), await request.read())
         return web.json_response({"ok": True})
 
+    async def _test_log(self, request: web.Request) -> web.Response:
+        """The request log since monotonic time ``since`` as ``[t, kind, status, path, bytes]``
+        rows (for a benchmark running this server in another process; not counted)."""
+        since = float(request.query.get("since", "0"))
+        rows = [[r["t"], r["kind"], r["status"], r["path"], r.get("bytes", 0)]
+                for r in list(self.log) if r["t"] >= since]
+        return web.json_response(rows)
+
     async def _resolve(self, request: web.Request) -> web.StreamResponse:
         headers = await self._gate(request, "resolve")
         bucket_id, files = self._bucket(request)
@@ -334,7 +343,7 @@ class HubServer:
                     await resp.write(f"id: {cursor}\nevent: changes\ndata: {data}\n\n".encode())
                 continue
             with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(changed.wait(), min(left, 1.0))
+                await asyncio.wait_for(changed.wait(), min(left, 5.0))
         await resp.write(f"id: {cursor}\nevent: reconnect\ndata: {{}}\n\n".encode())
 
     # -- CDN origin --------------------------------------------------------------------------
@@ -443,9 +452,17 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--bucket", action="append", default=[])
     parser.add_argument("--cdn-bytes-per-s", type=float, default=None)
+    parser.add_argument("--events-max-s", type=float, default=None,
+                        help="an events connection ends after this long (default 30 s)")
+    parser.add_argument("--no-quota", action="store_true", help="no 429s (a fleet benchmark)")
     args = parser.parse_args()
     with HubServer() as server:
         server.faults.cdn_bytes_per_s = args.cdn_bytes_per_s
+        if args.events_max_s is not None:
+            server.faults.events_max_s = args.events_max_s
+        if args.no_quota:
+            for kind in ("api", "resolve"):
+                server.set_quota(kind, 1 << 60, 300.0)
         for bucket in args.bucket:
             server.create_bucket(bucket)
         print(

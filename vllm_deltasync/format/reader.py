@@ -17,7 +17,7 @@ import hashlib
 import os
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -41,6 +41,7 @@ from vllm_deltasync.format.plan import base_identity, chain_problems, plan_chain
 from vllm_deltasync.format.plan import chain_ranges as _chunk_ranges
 from vllm_deltasync.format.plan import fetch_plan as _fetch_plan
 from vllm_deltasync.stores import Store, open_store
+from vllm_deltasync.stores.mirrors import MirroredStore, MirrorOptions, check_mirror_urls
 
 _MANIFEST_CACHE = 256
 _HASH_IN_THREAD_BYTES = 1 << 20
@@ -77,7 +78,9 @@ class BucketReader:
     """Read side of a bucket."""
 
     def __init__(self, store: Store, *, max_concurrency: int = 8, max_inflight_bytes: int = 1 << 30,
-                 fingerprint: str | None = None, decode_threads: int = 0) -> None:
+                 fingerprint: str | None = None, decode_threads: int = 0,
+                 mirror_urls: str | Sequence[str] = (),
+                 mirror_options: MirrorOptions | None = None) -> None:
         """
         Args:
             store: the bucket.
@@ -87,7 +90,14 @@ class BucketReader:
             decode_threads: threads verifying and decoding the chunks of a file in parallel
                 (sha256, zstd, numpy and torch release the GIL); 0: one per available core, at
                 most 8; 1: on the event loop's thread, one chunk after another.
+            mirror_urls: HTTP caches tried for data objects before the bucket (a comma-separated
+                string or a list of base URLs; ``stores/mirrors.py``): ``store`` is wrapped in a
+                :class:`~vllm_deltasync.stores.mirrors.MirroredStore`. Manifests still come from
+                the bucket, and every byte is checked against them whoever served it.
+            mirror_options: how mirrors are read (timeouts, back-off); None: the defaults.
         """
+        if check_mirror_urls(mirror_urls):
+            store = MirroredStore(store, mirror_urls, mirror_options)
         self.decode_threads = decode_threads or min(8, _available_cores())
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self.thread_init: Callable[[], None] | None = None

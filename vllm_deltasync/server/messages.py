@@ -126,6 +126,8 @@ class Counters:
     store_requests: tuple[tuple[str, str, int], ...]
     """(operation, outcome, count)."""
     store_bytes_read: int
+    mirror_requests: tuple[tuple[str, str, int], ...] = ()
+    """(mirror URL, outcome, count): data reads tried on a mirror (``stores/mirrors.py``)."""
 
     def to_wire(self) -> dict[str, Any]:
         return {"epoch": self.epoch, "downloaded_bytes": dict(self.downloaded_bytes),
@@ -134,13 +136,14 @@ class Counters:
                 "failures": [list(f) for f in self.failures],
                 "events": [list(e) for e in self.events],
                 "store_requests": [list(r) for r in self.store_requests],
-                "store_bytes_read": self.store_bytes_read}
+                "store_bytes_read": self.store_bytes_read,
+                "mirror_requests": [list(r) for r in self.mirror_requests]}
 
     @classmethod
     def from_wire(cls, wire: Any) -> Counters:
         rows = lambda items: tuple(tuple(i) for i in items)  # noqa: E731
         return _parse(cls, wire, "counters", downloaded_bytes=dict, applied_steps=dict,
-                      failures=rows, events=rows, store_requests=rows)
+                      failures=rows, events=rows, store_requests=rows, mirror_requests=rows)
 
 
 @dataclass(frozen=True)

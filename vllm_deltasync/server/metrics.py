@@ -130,6 +130,11 @@ _COUNTERS: tuple[tuple[str, str, str, tuple[str, ...]], ...] = (
     ("store_requests", "store_requests",
      "Bucket requests by operation and outcome (rate_limited: HTTP 429).",
      ("model", "rank", "operation", "outcome")),
+    ("mirror_requests", "mirror_requests",
+     "Reads of data objects tried on a mirror (mirror_urls) by outcome: ok, not_found, error, "
+     "timeout, slow (below the rate floor), corrupt (bytes that failed their sha256); a "
+     "failing mirror is skipped for a while and the bucket serves.",
+     ("model", "rank", "mirror", "outcome")),
     ("switches", "switches", "Weight switches performed by the engine.", ()),
     ("coordinator_failures", "coordinator_failures",
      "Engine-core ticks that failed (a switch taken back by the engine core, a status poll that "
@@ -221,6 +226,7 @@ class WorkerStats:
     def snapshot(self, store_stats: Any = None) -> Counters:
         """The totals so far (``store_stats``: the bucket store's request counters)."""
         requests = getattr(store_stats, "requests", None) or {}
+        mirrors = getattr(store_stats, "mirror_requests", None) or {}
         with self._lock:
             return Counters(
                 epoch=self._epoch, downloaded_bytes=dict(self._bytes),
@@ -229,7 +235,8 @@ class WorkerStats:
                 failures=tuple((s, r, n) for (s, r), n in sorted(self._failures.items())),
                 events=tuple(self._events),
                 store_requests=tuple((op, out, n) for (op, out), n in sorted(requests.items())),
-                store_bytes_read=int(getattr(store_stats, "bytes_read", 0) or 0))
+                store_bytes_read=int(getattr(store_stats, "bytes_read", 0) or 0),
+                mirror_requests=tuple((m, out, n) for (m, out), n in sorted(mirrors.items())))
 
 
 def _check_kind(kind: str) -> None:
@@ -276,6 +283,7 @@ class SyncMetrics:
     branch_changes: Counter
     failures: Counter
     store_requests: Counter
+    mirror_requests: Counter
     switches: Counter
     coordinator_failures: Counter
     download_duration: Histogram
@@ -396,6 +404,9 @@ class SyncMetrics:
                 self.store_requests.labels(*who, op, known)
             key = ("r", op, outcome)
             _inc(self.store_requests.labels(*who, op, outcome), cursor.advance(key, total))
+        for mirror, outcome, total in c.mirror_requests:
+            labels = (*who, redact_url(str(mirror)), str(outcome))
+            _inc(self.mirror_requests.labels(*labels), cursor.advance(("m", *labels[2:]), total))
         for seq, kind, seconds in c.events:
             if seq <= cursor.last_event:
                 continue

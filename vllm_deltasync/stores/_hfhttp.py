@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import aiohttp
 
@@ -151,7 +152,31 @@ def change_event(kind: str, data: str, cursor: str | None, prefix: str) -> Chang
     return ChangeEvent(kind, paths, cursor)
 
 
+def json_list(body: bytes, what: str) -> list[dict[str, Any]]:
+    """A JSON array of objects from the bucket API, or a :class:`StoreError` (an HTML page, a
+    captive portal, garbage) that says so in one line."""
+    try:
+        items = json.loads(body)
+    except (ValueError, RecursionError):
+        raise StoreError(f"{what}: the answer is not the bucket API's JSON (an HTML page or a "
+                         "proxy in the way?); check the endpoint") from None
+    if not isinstance(items, list) or not all(isinstance(i, dict) for i in items):
+        raise StoreError(f"{what}: the answer is JSON but not a list of entries; check the endpoint")
+    return items
+
+
+def checked_size(value: Any, path: str) -> int:
+    """An object size from a header or a listing, checked (a bad one is a StoreError)."""
+    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 1 << 53:
+        return value
+    if isinstance(value, str) and value.isdigit() and len(value) <= 16:
+        return int(value)
+    raise StoreError(f"{path[:200]}: the server gave a bad size {str(value)[:40]!r}")
+
+
 __all__ = [
+    "checked_size",
+    "json_list",
     "ChangeEvent",
     "change_event",
     "parse_hf_url",

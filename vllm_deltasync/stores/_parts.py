@@ -90,6 +90,10 @@ class RangedReader:
     rate_window_s: float = 30.0
     max_request_s: float | None = None
     """Longest one request for a part may take, however fast it is; None: no cap."""
+    on_cut: Callable[[str], None] | None = None
+    """Called with ``"slow"`` (below ``min_bytes_per_s``) or ``"timeout"`` (past
+    ``max_request_s``, or not one byte over a rate window) when a request is cut, before it is
+    retried (mirrors count why)."""
 
     async def read(self, start: int, end: int | None, max_bytes: int | None = None) -> bytes:
         """Bytes ``[start, end)``; with ``max_bytes``, :func:`too_large` when there are more
@@ -155,12 +159,14 @@ class RangedReader:
                     return task.result()
                 now = time.monotonic()
                 if deadline is not None and now >= deadline:
+                    self._cut("timeout")
                     raise TransientStoreError(
                         f"{self.what}: one request took longer than {self.max_request_s:g}s "
                         f"(max_request_s); retrying from byte {len(buf)} of the part")
                 if window is not None and self.min_bytes_per_s is not None:
                     got = len(buf) - mark
                     if got < self.min_bytes_per_s * window:
+                        self._cut("slow" if got else "timeout")  # nothing at all: a hang
                         raise TransientStoreError(
                             f"{self.what}: {got} bytes in {window:g}s, below the minimum "
                             f"{self.min_bytes_per_s} B/s (min_bytes_per_s); retrying the rest")
@@ -169,6 +175,10 @@ class RangedReader:
             if not task.done():
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
+
+    def _cut(self, why: str) -> None:
+        if self.on_cut is not None:
+            self.on_cut(why)
 
 
 def parse_content_range(value: str | None) -> int | None:

@@ -59,10 +59,18 @@ class StoreStats:
     """(operation, outcome) -> count; outcome is ``ok``, ``not_found``, ``rate_limited``, ``error``."""
     bytes_read: int = 0
     bytes_written: int = 0
+    mirror_requests: dict[tuple[str, str], int] = field(default_factory=dict)
+    """(mirror base URL, outcome) -> count of reads tried on a mirror (``stores/mirrors.py``);
+    outcome is ``ok``, ``not_found``, ``error``, ``timeout``, ``slow`` or ``corrupt``."""
+    mirror_bytes_read: int = 0
 
     def count(self, op: str, outcome: str, n: int = 1) -> None:
         key = (op, outcome)
         self.requests[key] = self.requests.get(key, 0) + n
+
+    def count_mirror(self, mirror: str, outcome: str) -> None:
+        key = (mirror, outcome)
+        self.mirror_requests[key] = self.mirror_requests.get(key, 0) + 1
 
 
 class Store(abc.ABC):

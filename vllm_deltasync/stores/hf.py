@@ -14,10 +14,8 @@ Reads speak the bucket HTTP API with aiohttp (the session is injectable):
 Options are one :class:`HfOptions` (``HfStore(bucket_id, prefix, options)``) or, the same
 names, keyword arguments of ``open_store(url, **store_options)``.
 
-Writes go through ``huggingface_hub.batch_bucket_files`` (uploads need ``hf_xet``). The Xet
-upload protocol cannot run offline, so the upload call is the one seam: pass ``uploader=`` (an
-async callable taking ``[(bucket_path, bytes), ...]``) to replace it. Deletes use the same batch
-API (no Xet needed). Buckets are mutable, so ``write`` refuses to overwrite by checking first
+Writes go through ``huggingface_hub.batch_bucket_files`` (stores/_hfwrite.py; ``uploader=``
+replaces the Xet upload, which cannot run offline). Buckets are mutable, so ``write`` refuses to overwrite by checking first
 (HEAD or one paths-info call for a batch); the check and the upload are not atomic, which the
 format tolerates because every name it writes is new (random token per publish attempt).
 
@@ -28,23 +26,17 @@ and no request of the same quota (``api`` or ``resolve``) leaves before that res
 
 from __future__ import annotations
 
-import asyncio
 import builtins
-import dataclasses
-import ipaddress
-import json
 import os
-import socket
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import quote, urljoin, urlsplit
 
 import aiohttp
 from yarl import URL
 
-from vllm_deltasync._urls import ADDRESS_CLASSES, address_class, redact_url, redirect_allowed
+from vllm_deltasync._urls import redact_url
 from vllm_deltasync.errors import (
     ConfigError,
     NotFoundError,
@@ -56,13 +48,17 @@ from vllm_deltasync.stores import _options
 from vllm_deltasync.stores._hfhttp import (
     ChangeEvent,
     change_event,
+    checked_size,
     connection_error,
     error_for_response,
     hub_error,
+    json_list,
     parse_hf_url,
     parse_sse,
     resolve_token,
 )
+from vllm_deltasync.stores._hfoptions import DEFAULT_ENDPOINT, HfOptions
+from vllm_deltasync.stores._hfwrite import BatchWriter, Uploader
 from vllm_deltasync.stores._parts import (
     Chunks,
     RangedReader,
@@ -70,6 +66,7 @@ from vllm_deltasync.stores._parts import (
     parse_content_range,
     range_header,
 )
+from vllm_deltasync.stores._redirects import RedirectGuard
 from vllm_deltasync.stores._retry import (
     RateGate,
     RetryPolicy,
@@ -79,100 +76,7 @@ from vllm_deltasync.stores._retry import (
 )
 from vllm_deltasync.stores.base import ObjectInfo, Store, check_path
 
-Uploader = Callable[[list[tuple[str, bytes]]], Awaitable[None]]
-"""Uploads ``[(path in bucket, bytes), ...]``; the seam that replaces the Xet upload in tests."""
-
-DEFAULT_ENDPOINT = "https://huggingface.co"
 _REDIRECTS = (301, 302, 303, 307, 308)
-
-
-@dataclass(frozen=True, kw_only=True)
-class HfOptions:
-    """How an :class:`HfStore` reaches its bucket. Every field is also a ``store_options`` key.
-
-    The token is kept out of ``repr``. ``retry_policy`` also accepts None (the defaults) or a
-    mapping of :class:`RetryPolicy` fields, and is always a :class:`RetryPolicy` afterwards.
-    Runtime objects (an aiohttp ``session``, the ``uploader`` seam, ``environ``) are not
-    options: they are keyword arguments of :class:`HfStore` (and ``store_options`` keys too).
-    """
-
-    endpoint: str | None = None
-    """Hub host; None: ``HF_ENDPOINT``, else ``https://huggingface.co``."""
-    token: str | bool | None = field(default=None, repr=False)
-    """None or True: ``HF_TOKEN``, else huggingface_hub's chain; False: send none."""
-    part_size: int = 16 << 20
-    """Objects larger than one part are read as parallel ranges of this many bytes."""
-    max_parallel_parts: int = 8
-    request_timeout_s: float | None = 60.0
-    """Longest silence on a socket before the read is retried (None: no limit)."""
-    min_bytes_per_s: int | None = 64 << 10
-    """A download slower than this over ``rate_window_s`` is cut and the rest retried (a body
-    trickling in never holds a step forever); None: no minimum."""
-    rate_window_s: float = 30.0
-    max_request_s: float | None = 900.0
-    """Cap on one request, however fast (a part of ``part_size`` bytes, a listing page)."""
-    max_redirects: int = 10
-    """Longest redirect chain followed (the resolve redirect included)."""
-    allow_redirects_to: tuple[str, ...] = ()
-    """Address classes (``private``, ``loopback``, ``link-local``) a redirect may lead to from
-    an origin of another class. By default a redirect is followed only to a public address or
-    to one of the origin's own class (local test servers, on-premises mirrors)."""
-    retry_policy: RetryPolicy = field(default_factory=RetryPolicy)
-
-    def __post_init__(self) -> None:
-        owner = "HfOptions"
-        _options.check_optional_str(owner, "endpoint", self.endpoint)
-        _options.check_endpoint(owner, "endpoint", self.endpoint)
-        if self.endpoint is not None and not self.endpoint.startswith(("http://", "https://")):
-            raise ConfigError(
-                f"{owner}.endpoint={self.endpoint!r}: use an http(s):// URL such as "
-                f"{DEFAULT_ENDPOINT!r}, or leave it unset for HF_ENDPOINT"
-            )
-        if self.token is not None and not isinstance(self.token, str | bool):
-            raise ConfigError(
-                f"{owner}.token=<{type(self.token).__name__}>: use a token string, False to "
-                "send none, or leave it unset for HF_TOKEN"
-            )
-        _options.check_int(owner, "part_size", self.part_size, 1 << 16, " bytes")
-        _options.check_int(owner, "max_parallel_parts", self.max_parallel_parts, 1)
-        timeout = self.request_timeout_s
-        if timeout is not None and (
-            isinstance(timeout, bool) or not isinstance(timeout, int | float) or timeout <= 0
-        ):
-            raise ConfigError(
-                f"{owner}.request_timeout_s={timeout!r}: use a number of seconds > 0, or None for no limit"
-            )
-        _options.check_rate(owner, self.min_bytes_per_s, self.rate_window_s, self.max_request_s)
-        _options.check_int(owner, "max_redirects", self.max_redirects, 1)
-        allow = self.allow_redirects_to
-        if isinstance(allow, str) or not all(c in ADDRESS_CLASSES[1:] for c in allow):
-            raise ConfigError(f"{owner}.allow_redirects_to={allow!r}: use a list of "
-                              f"{', '.join(map(repr, ADDRESS_CLASSES[1:]))}")
-        object.__setattr__(self, "allow_redirects_to", tuple(allow))
-        object.__setattr__(self, "retry_policy", _options.retry_policy(owner, self.retry_policy))
-
-    @classmethod
-    def keys(cls) -> tuple[str, ...]:
-        """Every option name (``store_options`` keys of ``hf://`` besides the runtime ones)."""
-        return tuple(f.name for f in dataclasses.fields(cls))
-
-    @classmethod
-    def from_store_options(cls, store_options: Mapping[str, Any]) -> HfOptions:
-        """Options from ``store_options`` keys (over ``options=HfOptions(...)`` if given).
-
-        Unknown keys raise a :class:`ConfigError` that lists the accepted ones; the runtime
-        keys (``session``, ``uploader``, ``environ``) are not options and are refused here.
-        """
-        _options.check_keys("hf", store_options, (*cls.keys(), "options"))
-        given = dict(store_options)
-        found = given.pop("options", None)
-        if found is None:
-            return cls(**given)
-        if not isinstance(found, HfOptions):
-            raise ConfigError(
-                f"options={type(found).__name__}: use an HfOptions, or pass its fields as keys"
-            )
-        return dataclasses.replace(found, **given)
 
 
 _RUNTIME_KEYS = ("session", "uploader", "environ")
@@ -182,30 +86,6 @@ _RUNTIME_KEYS = ("session", "uploader", "environ")
 LOCATED_TTL_S = 30.0
 """Seconds a resolved CDN URL is reused for more reads of the same object (signed URLs stay
 valid for minutes; a failed read drops it)."""
-
-
-PIN_TTL_S = 300.0
-"""Seconds the address check of a redirect host (and the addresses it pins) is reused; a
-CDN's addresses change over hours, a rebinding attacker's between two lookups."""
-
-
-@dataclass(frozen=True)
-class _Pin:
-    cls: str | None
-    """Address class of the host (the least public of its addresses); None: unresolvable."""
-    addresses: tuple[str, ...]
-    """The addresses the class was judged by: the only ones a request to the host uses."""
-    until: float
-    """monotonic time the check expires."""
-
-
-def _is_name(host: str) -> bool:
-    """True for a host name (looked up), False for an IP literal."""
-    try:
-        ipaddress.ip_address(host.strip("[]"))
-    except ValueError:
-        return True
-    return False
 
 
 class HfStore(Store):
@@ -242,12 +122,14 @@ class HfStore(Store):
         self.__token = lambda: secret  # a closure: never shown by repr() or vars()
         self._session = session
         self._owns_session = session is None
-        self._uploader = uploader
+        self._writer = BatchWriter(self.url, self.endpoint, bucket_id, lambda: secret, uploader,
+                                   self.stats)
         self._timeout = aiohttp.ClientTimeout(
             total=self.options.max_request_s, sock_connect=30, sock_read=self.options.request_timeout_s
         )
-        self._pins: dict[str, _Pin] = {}
-        """host -> its address class and the addresses it was judged by (redirect rule)."""
+        self.redirects = RedirectGuard(self.endpoint, self.options.allow_redirects_to,
+                                       lambda: self.stats.count("redirect", "refused"))
+        """The redirect rule and the hosts it pinned (stores/_redirects.py)."""
         self.gates = {"api": RateGate("api"), "resolve": RateGate("resolve")}
         self._located: dict[str, tuple[str, float]] = {}
         """path -> (CDN URL, monotonic time it is trusted until)."""
@@ -280,6 +162,11 @@ class HfStore(Store):
     @property
     def retry_policy(self) -> RetryPolicy:
         return self.options.retry_policy
+
+    @property
+    def _uploader(self) -> Uploader | None:
+        """The upload seam this store was given (tests hand it to a second store)."""
+        return self._writer.uploader
 
     @property
     def url(self) -> str:
@@ -402,11 +289,11 @@ class HfStore(Store):
             if status == 404:
                 self._raise_if_no_bucket(headers)
                 return []
-            for item in _json_list(body, f"{self.url}: list"):
+            for item in json_list(body, f"{self.url}: list"):
                 path = item.get("path", "")
                 if item.get("type") == "file" and isinstance(path, str) and path.startswith(full):
                     found.append(
-                        ObjectInfo(self._rel(path), _size(item.get("size"), path), item.get("xetHash"))
+                        ObjectInfo(self._rel(path), checked_size(item.get("size"), path), item.get("xetHash"))
                     )
             nxt = links.get("next")
             url = urljoin(url, str(nxt["url"])) if nxt else None
@@ -433,8 +320,8 @@ class HfStore(Store):
             json=payload,
         )
         return [
-            ObjectInfo(self._rel(str(i.get("path", ""))), _size(i.get("size"), str(i.get("path"))), i.get("xetHash"))
-            for i in _json_list(body, f"{self.url}: paths-info")
+            ObjectInfo(self._rel(str(i.get("path", ""))), checked_size(i.get("size"), str(i.get("path"))), i.get("xetHash"))
+            for i in json_list(body, f"{self.url}: paths-info")
             if i.get("type", "file") == "file"
         ]
 
@@ -451,7 +338,7 @@ class HfStore(Store):
             self._raise_if_no_bucket(headers)
             return None
         size = headers.get("X-Linked-Size") or headers.get("Content-Length") or "0"
-        return ObjectInfo(path, _size(size, path), headers.get("X-Xet-Hash"))
+        return ObjectInfo(path, checked_size(size, path), headers.get("X-Xet-Hash"))
 
     async def read(
         self, path: str, start: int = 0, end: int | None = None, *, max_bytes: int | None = None
@@ -513,88 +400,10 @@ class HfStore(Store):
             raise NotFoundError(f"{what}: no such object in the bucket (EntryNotFound)")
         if status in _REDIRECTS and headers.get("Location"):
             target = urljoin(url, headers["Location"])
-            await self._check_redirect(url, target, what)
+            await self.redirects.check(url, target, what)
             return target
         return url
 
-    async def _lookup(self, host: str) -> _Pin:
-        """The address class of ``host`` and the addresses it was judged by, looked up once
-        per :data:`PIN_TTL_S` (an IP literal is its own address). Requests to a checked host
-        connect to these addresses (:meth:`_pinned`): the host name is never looked up again
-        between the check and the connection (no DNS rebinding)."""
-        now = time.monotonic()
-        pin = self._pins.get(host)
-        if pin is not None and pin.until > now:
-            return pin
-        literal = address_class(host)
-        if literal is not None and not _is_name(host):
-            pin = _Pin(literal, (), now + PIN_TTL_S)
-        else:
-            try:
-                infos = await asyncio.get_running_loop().getaddrinfo(
-                    host, None, type=socket.SOCK_STREAM)
-            except OSError:
-                infos = []  # unresolvable: refused by the check (no second lookup later)
-            addresses = tuple(dict.fromkeys(str(info[4][0]) for info in infos))
-            classes = {address_class(a) for a in addresses} | ({literal} if literal else set())
-            found = None
-            # the least public class wins: one private address makes the host private
-            for kind in ("link-local", "loopback", "private", "public"):
-                if kind in classes:
-                    found = kind
-                    break
-            pin = _Pin(found, addresses, now + PIN_TTL_S)
-        if len(self._pins) >= 1024:
-            self._pins.clear()
-        self._pins[host] = pin
-        return pin
-
-    async def _host_class(self, url: str) -> str | None:
-        """The address class of ``url``'s host (resolved when it is a name; pinned)."""
-        return (await self._lookup(urlsplit(url).hostname or "")).cls
-
-    async def _check_redirect(self, origin: str, target: str, what: str) -> None:
-        """The redirect rule (docs/transports.md): never from a public origin to a private,
-        loopback or link-local address; same class and public targets allowed; more by
-        ``allow_redirects_to``. A refused redirect is a StoreError (not retried); a target
-        host that does not resolve is a TransientStoreError (nothing is sent to it)."""
-        if urlsplit(target).scheme not in ("http", "https"):
-            raise StoreError(f"{what}: redirected to a non-HTTP URL; refused")
-        origin_class = await self._host_class(origin) or "public"
-        target_class = await self._host_class(target)
-        if target_class is None:
-            self._pins.pop(urlsplit(target).hostname or "", None)  # look it up again next time
-            raise TransientStoreError(
-                f"{what}: redirected to {urlsplit(target).hostname}, which does not resolve")
-        if not redirect_allowed(origin_class, target_class, self.options.allow_redirects_to):
-            self.stats.count("redirect", "refused")
-            raise StoreError(
-                f"{what}: a {origin_class} origin redirected to a {target_class} address "
-                f"({urlsplit(target).hostname}); refused (HfOptions.allow_redirects_to allows it)"
-            )
-
-    async def _pinned(self, url: str, what: str) -> tuple[URL, dict[str, Any]]:
-        """Where to connect for ``url``: a redirect target's host name replaced by the
-        address its check was made on (``Host`` header and TLS server name kept), so the
-        name is not looked up a second time. The endpoint's own URLs go as they are; a target
-        whose check is older than :data:`PIN_TTL_S` is checked again first."""
-        parts = urlsplit(url)
-        host = parts.hostname or ""
-        if not _is_name(host) or parts[:2] == urlsplit(self.endpoint)[:2]:
-            return URL(url, encoded=True), {}
-        pin = self._pins.get(host)
-        if pin is None or pin.until <= time.monotonic() or not pin.addresses:
-            await self._check_redirect(self.endpoint, url, what)
-            pin = self._pins[host]
-        address = pin.addresses[0]
-        shown = f"[{address}]" if ":" in address else address
-        netloc = shown if parts.port is None else f"{shown}:{parts.port}"
-        direct = parts._replace(netloc=netloc).geturl()
-        host_header = host if parts.port is None else f"{host}:{parts.port}"
-        extra: dict[str, Any] = {"host_header": host_header}
-        if parts.scheme == "https":
-            extra["server_hostname"] = host  # SNI and certificate checked against the name
-        return URL(direct, encoded=True), extra
 
     async def _fetch(
         self, url: str, start: int, end: int | None, buf: Chunks, what: str
@@ -603,7 +412,7 @@ class HfStore(Store):
             target = await self._fetch_once(url, start, end, buf, what)
             if not isinstance(target, str):
                 return target
-            await self._check_redirect(url, target, what)
+            await self.redirects.check(url, target, what)
             url = target
         self.stats.count("redirect", "refused")
         raise StoreError(f"{what}: more than {self.options.max_redirects} redirects "
@@ -614,7 +423,7 @@ class HfStore(Store):
     ) -> int | str | None:
         """One GET of a range: the total size (or None), or the URL a redirect points to."""
         headers = {**self._auth(url), "Range": range_header(start, end)}
-        direct, extra = await self._pinned(url, what)
+        direct, extra = await self.redirects.pinned(url, what)
         if "host_header" in extra:
             headers["Host"] = extra.pop("host_header")
         try:
@@ -690,61 +499,16 @@ class HfStore(Store):
         await self._upload([(self._full(p), bytes(d)) for p, d in items])
 
     async def _upload(self, items: builtins.list[tuple[str, bytes]]) -> None:
-        try:
-            if self._uploader is not None:
-                await self._uploader(items)
-            else:
-                await asyncio.to_thread(self._hub_batch, add=items)
-        except StoreError:
-            self.stats.count("write", "error")
-            raise
-        self.stats.count("write", "ok", len(items))
-        self.stats.bytes_written += sum(len(d) for _, d in items)
+        await self._writer.upload(items)
 
     async def delete(self, paths: Sequence[str]) -> None:
-        if paths:
-            await asyncio.to_thread(self._hub_batch, delete=[self._full(p) for p in paths])
-            self.stats.count("delete", "ok", len(paths))
-
-    def _hub_batch(self, **ops: Any) -> None:
-        """``huggingface_hub.HfApi.batch_bucket_files`` against this endpoint (in a thread)."""
-        from huggingface_hub import HfApi
-
-        api = HfApi(endpoint=self.endpoint, token=self.__token() or False)
-        try:
-            api.batch_bucket_files(self.bucket_id, **ops)
-        except Exception as exc:  # huggingface_hub / httpx errors, translated here
-            raise hub_error(
-                getattr(getattr(exc, "response", None), "status_code", 0),
-                f"{self.url}: batch failed ({type(exc).__name__})",
-            ) from exc
+        await self._writer.delete([self._full(p) for p in paths])
 
     async def close(self) -> None:
         if self._owns_session and self._session is not None and not self._session.closed:
             await self._session.close()
         self._session = None
 
-
-def _json_list(body: bytes, what: str) -> builtins.list[dict[str, Any]]:
-    """A JSON array of objects from the bucket API, or a :class:`StoreError` (an HTML page, a
-    captive portal, garbage) that says so in one line."""
-    try:
-        items = json.loads(body)
-    except (ValueError, RecursionError):
-        raise StoreError(f"{what}: the answer is not the bucket API's JSON (an HTML page or a "
-                         "proxy in the way?); check the endpoint") from None
-    if not isinstance(items, builtins.list) or not all(isinstance(i, dict) for i in items):
-        raise StoreError(f"{what}: the answer is JSON but not a list of entries; check the endpoint")
-    return items
-
-
-def _size(value: Any, path: str) -> int:
-    """An object size from a header or a listing, checked (a bad one is a StoreError)."""
-    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 1 << 53:
-        return value
-    if isinstance(value, str) and value.isdigit() and len(value) <= 16:
-        return int(value)
-    raise StoreError(f"{path[:200]}: the server gave a bad size {str(value)[:40]!r}")
 
 
 __all__ = ["ChangeEvent", "HfOptions", "HfStore", "RetryPolicy", "Uploader", "parse_hf_url", "resolve_token"]

@@ -155,15 +155,16 @@ class NodeCachedStore(Store):
 
     async def evict(self, path: str) -> bool:
         """Delete every cached copy of ``path`` (the whole object and each range), e.g. after
-        its bytes failed a sha256 check: the next read fetches it from the bucket again."""
+        its bytes failed a sha256 check: the next read fetches it from the bucket again (the
+        inner store drops its own copies too: a mirror that served them is passed over)."""
         check_path(path)
+        removed = await self.inner.evict(path)
         target = self._object(path, 0, None)
         name = target.name[: -len("all")]  # "<file name>@"
         try:
             entries = os.listdir(target.parent)
         except (FileNotFoundError, NotADirectoryError):
-            return False
-        removed = False
+            return removed
         for entry in entries:
             if entry.startswith(name) and _RANGE_SUFFIX.fullmatch(entry[len(name):]):
                 with contextlib.suppress(FileNotFoundError):  # another rank evicted it first

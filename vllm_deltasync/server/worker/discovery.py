@@ -173,7 +173,8 @@ class StepWatcher:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return None
-                await asyncio.wait_for(self._round(after, deadline), left)
+                async with asyncio.timeout(left):  # not wait_for: 3.11's may swallow a cancel
+                    await self._round(after, deadline)
         except TimeoutError:
             return self.latest if self._newer(after) else None
 
@@ -187,6 +188,7 @@ class StepWatcher:
         self.latest = None
         self.stride = 1
         self._listed_at = None
+        self._set_aside.clear()  # another history: those names may hold readable steps now
 
     def set_aside(self, step: int, newest: int | None) -> None:
         """``step`` is listed but its manifest does not read (garbage under a step's name, a
@@ -217,6 +219,16 @@ class StepWatcher:
         return self.latest is not None and (after is None or self.latest > after)
 
     async def _round(self, after: int | None, deadline: float) -> None:
+        """One look at the bucket. A round that finds nothing newer than ``after`` lasts at
+        least ``probe_interval_s`` (or until a step is noted): whatever the bucket holds (a
+        set-aside manifest under the next name, a listing that keeps naming one), discovery
+        never asks it more often than that."""
+        began = time.monotonic()
+        await self._look(after, deadline)
+        if not self._newer(after):
+            await self._sleep_or_wake(min(deadline, began + self.probe_interval_s) - time.monotonic())
+
+    async def _look(self, after: int | None, deadline: float) -> None:
         try:
             if self._listing_due():
                 await self._list()
@@ -235,20 +247,22 @@ class StepWatcher:
             await self._back_off(exc)
 
     async def _check_feed(self, after: int | None) -> None:
-        """While the feed is live, probe the next name now and then: a step the feed did not
-        announce means it went silent; distrust it (poll) for ``events_retry_s``."""
+        """While the feed is live and has announced nothing for ``events_check_s``, probe the
+        next name: a step the feed did not announce means it went silent; distrust it (poll)
+        for ``events_retry_s``."""
         self._checked_at = time.monotonic()
         known = self.latest
         if known is None:
             return
+        candidate = self._next_name(known)
         self.stats.probes += 1
-        if await self.store.stat(manifest_path(known + self.stride)) is None:
+        if await self.store.stat(manifest_path(candidate)) is None:
             return
         self.stats.probe_hits += 1
-        self._note(known + self.stride)
+        self._note(candidate)
         self._count_feed("silent")
         logger.warning("events feed of %s missed step %d; polling instead for %.0fs",
-                       self.store.url, known + self.stride, self.events_retry_s)
+                       self.store.url, candidate, self.events_retry_s)
         self._distrust_feed()
 
     def _count_feed(self, outcome: str) -> None:
@@ -329,12 +343,20 @@ class StepWatcher:
         found = False
         while True:
             self.stats.probes += 1
-            candidate = base + self.stride
+            candidate = self._next_name(base)
             if await self.store.stat(manifest_path(candidate)) is None:
                 return found
             self.stats.probe_hits += 1
             self._note(candidate)
             base, found = candidate, True
+
+    def _next_name(self, known: int) -> int:
+        """The next step name to probe after ``known``: ``stride`` on, past set-aside names
+        (a manifest known not to read is never probed again, nor taken for a new step)."""
+        candidate = known + self.stride
+        while candidate in self._set_aside:
+            candidate += self.stride
+        return candidate
 
     def _note(self, step: int) -> None:
         if step in self._set_aside or (self.latest is not None and step <= self.latest):
@@ -345,10 +367,11 @@ class StepWatcher:
         self._wake.set()
 
     async def _sleep_or_wake(self, seconds: float) -> None:
-        if seconds <= 0:
+        if seconds <= 0 or self._wake.is_set():
             return
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(self._wake.wait(), seconds)
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(seconds):
+                await self._wake.wait()
 
     async def _back_off(self, exc: TransientStoreError) -> None:
         self._failures += 1
@@ -411,7 +434,8 @@ class StepWatcher:
         try:
             while True:
                 try:
-                    event = await asyncio.wait_for(events.__anext__(), self.events_idle_s)
+                    async with asyncio.timeout(self.events_idle_s):
+                        event = await events.__anext__()
                 except StopAsyncIteration:
                     break
                 except TimeoutError:
@@ -434,6 +458,7 @@ class StepWatcher:
                     self._wake.set()
                 elif event.kind == "changes":
                     self.stats.events_received += 1
+                    self._checked_at = time.monotonic()  # the feed speaks: no probe needed yet
                     for step in (parse_manifest_path(p) for p in event.paths):
                         if step is not None:
                             self._note(step)

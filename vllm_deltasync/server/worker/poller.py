@@ -18,10 +18,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import random
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Any
 
 from vllm_deltasync._loop import BackgroundLoop
@@ -42,10 +42,14 @@ from vllm_deltasync.format.reader import BucketReader, short_id
 from vllm_deltasync.server.messages import TargetStatus
 from vllm_deltasync.server.metrics import WorkerStats, error_reason
 from vllm_deltasync.server.worker.affinity import Placement, format_cpus, plan_staging
+from vllm_deltasync.server.worker.bucket import (
+    branch_check_s,
+    fetch_jitter_s,
+    open_node_store,
+    watcher_options,
+)
 from vllm_deltasync.server.worker.discovery import StepWatcher
 from vllm_deltasync.server.worker.state import StagedStep, SyncState
-from vllm_deltasync.stores import open_store
-from vllm_deltasync.stores.base import Store
 
 logger = logging.getLogger(__name__)
 
@@ -102,10 +106,7 @@ class Poller:
         self._reader.thread_init = self.placement.place
         self._reader.select = select  # parse only the tensors this rank reads (format/_selected.py)
         self._watcher = StepWatcher(
-            self._reader.store,
-            probe_interval_s=config.poll_interval_s,
-            listing_interval_s=max(60.0, config.poll_interval_s),
-            empty_listing_interval_s=config.poll_interval_s,
+            self._reader.store, **watcher_options(config),
             # discovery backs off like the store retries (store_options.retry_policy)
             retry_policy=getattr(self._reader.store, "retry_policy", None),
         )
@@ -116,7 +117,7 @@ class Poller:
         self._bad: dict[int, tuple[int, float]] = {}
         """Steps that failed verification -> (failures, monotonic time of the next try)."""
         self._reader.remember_failures_s = config.poll_interval_s
-        self.branch_check_s = min(60.0, max(2.0, 10 * config.poll_interval_s))
+        self.branch_check_s = branch_check_s(config)
         """How often the applied step's manifest is read again from the bucket, to see that
         the bucket still continues it (a trainer restart, a second writer, a wiped bucket)."""
         self._next_branch_check = 0.0
@@ -130,6 +131,14 @@ class Poller:
         self._task: Any = None
         self._closing = False
         """Set by :meth:`close`: what fails while the loop is torn down is not reported."""
+        self._jitter_s = fetch_jitter_s(config, self._reader.store.scheme)
+        self._spread_for: int | None = None
+        """The last target waited for (:meth:`_spread`): a step is waited for once."""
+        self._main_task: asyncio.Task[Any] | None = None
+        self._staged = 0
+        """Steps staged so far (a round that staged none waits out the poll interval)."""
+        self._aside: tuple[int | None, str] | None = None
+        """The last set-aside manifest's report, with the newest readable step at that time."""
 
     # ---------------------------------------------------------------- lifecycle
     def start(self) -> None:
@@ -139,21 +148,36 @@ class Poller:
                 logger.info("deltasync rank=%d: %s", self.rank, self.placement.describe())
             self._task = self._loop.submit(self._main())
 
-    def close(self) -> None:
-        """Stop the loop thread for good; staged steps are dropped."""
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Stop the loop thread for good; staged steps are dropped. Never raises: what does
+        not stop within ``timeout_s`` (a request stuck in a socket) is logged and left to the
+        daemon thread, so a worker shutting down never fails on it."""
         self._closing = True
         self.state.set_on_room(None)
         if self._task is not None:
             self._task.cancel()
         if not self._loop.closed:
             try:
-                self._loop.run(self._reader.close(), timeout=10)
-                self._loop.run(self._watcher.close(), timeout=10)
+                self._loop.run(self._shutdown(), timeout=timeout_s)
             except Exception:  # noqa: BLE001 - closing is best effort
                 logger.debug("poller rank=%d: close failed", self.rank, exc_info=True)
-        self._loop.close()
+        try:
+            self._loop.close()
+        except TimeoutError:
+            logger.warning("poller rank=%d: its loop did not stop in time; left to its daemon "
+                           "thread", self.rank)
         self._stager.shutdown(wait=True, cancel_futures=True)
         self.state.drop_staged()
+
+    async def _shutdown(self) -> None:
+        """On the loop: the main task ends first (nothing then uses the reader), then the
+        reader and the watcher close."""
+        main = self._main_task
+        if main is not None and main is not asyncio.current_task():
+            main.cancel()
+            await asyncio.gather(main, return_exceptions=True)
+        await self._reader.close()
+        await self._watcher.close()
 
     # ------------------------------------------------------------ any thread
     def ready_steps(self) -> list[int]:
@@ -186,13 +210,15 @@ class Poller:
                 loop.call_soon_threadsafe(room.set)
 
     async def _main(self) -> None:
+        self._main_task = asyncio.current_task()
         self._room = asyncio.Event()
         if self.config.on_start == "wait":
             self._floor = await self._guarded(self._reader.latest_step(), "discover")
-        while True:
+        while not self._closing:
+            began, staged = time.monotonic(), self._staged
             try:
                 if await self._round():
-                    self.state.set_poll_error(None)
+                    self.state.set_poll_error(self._standing_error())
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # noqa: BLE001 - any failure is reported, then retried
@@ -200,7 +226,8 @@ class Poller:
                     raise asyncio.CancelledError from exc  # torn down under it: not a failure
                 self._report(exc)
                 self._remember_bad(exc)
-                await asyncio.sleep(self.config.poll_interval_s)
+            if self._staged == staged:  # nothing staged: at most one round per poll interval
+                await asyncio.sleep(max(0.0, began + self.config.poll_interval_s - time.monotonic()))
 
     def _remember_bad(self, exc: BaseException) -> None:
         """A step that failed verification is not downloaded again before its backoff ends
@@ -298,6 +325,10 @@ class Poller:
         self._unplannable = None
         if plan and plan[0].kind == "anchor" and base is not None and base.identity is not None:
             await self._check_branch(now=True)  # through an anchor: say so if ours is gone
+        elif plan and applied is not None and base is not None and base.identity == applied.identity:
+            # the bucket's newest step names the applied one as its base: the branch holds,
+            # no need to read the applied manifest again for a while (a fleet's request budget)
+            self._next_branch_check = time.monotonic() + self.branch_check_s
         if plan and base is not None and plan[0].step <= base.step and base is not applied:
             # planned from a staged step or the one being written, the bucket's chain now goes
             # through an anchor at or below it (a second writer, a restart replaced it): drop
@@ -314,6 +345,7 @@ class Poller:
             logger.warning("deltasync rank=%d: step %d is on a chain through step %d, whose "
                            "switch failed; waiting for a newer anchor", self.rank, target, bad[-1])
             return True
+        await self._spread(target)
         below = base
         for manifest in plan:
             await self._wait_for_room()
@@ -321,11 +353,21 @@ class Poller:
             below = manifest
             if not self.state.stage(generation, staged):
                 return True  # reset while staging: plan again from the new base
+            self._staged += 1
             logger.info(
                 "deltasync staged step=%d kind=%s rank=%d bytes=%d in %.3fs",
                 manifest.step, manifest.kind, self.rank, staged.downloaded_bytes, staged.download_s,
             )
         return True
+
+    async def _spread(self, target: int) -> None:
+        """No thundering herd: before downloading a step it has not waited for yet, the rank
+        waits a random time in [0, :func:`fetch_jitter_s`), so a fleet that discovers a step
+        at once spreads its downloads (and the first ones warm a mirror for the rest)."""
+        if self._jitter_s <= 0 or target == self._spread_for:
+            return
+        self._spread_for = target
+        await asyncio.sleep(random.uniform(0.0, self._jitter_s))
 
     async def _set_aside(self, step: int, exc: FormatError) -> None:
         """The newest listed step's manifest does not read (garbage under a step's name,
@@ -333,11 +375,26 @@ class Poller:
         step published after it. The newest step that reads is followed instead; each skipped
         manifest is reported once, by name. (A format this release does not read is not
         skipped: the rank must say it cannot follow, see :class:`UnsupportedFormatError`.)"""
-        logger.warning("deltasync rank=%d: %s", self.rank,
-                       redact_text(skipped_line(self._reader, step, exc)))
+        line = redact_text(skipped_line(self._reader, step, exc))
+        logger.warning("deltasync rank=%d: %s", self.rank, line)
+        self.stats.add_failure("discover", exc)
         steps = [s for s in await self._guarded(self._reader.list_steps(), "discover") if s < step]
         newest = await self._guarded(newest_readable(self._reader, steps), "discover")
         self._watcher.set_aside(step, None if newest is None else newest[0])
+        self._aside = (self._watcher.latest, f"{error_reason(exc)}: {line}")
+        self.state.set_poll_error(self._aside[1])
+
+    def _standing_error(self) -> str | None:
+        """What a round that went through still reports: the last set-aside manifest, until a
+        step newer than the newest readable one at that time is seen (the bucket's newest name
+        held no step this rank can follow: status says so in ``last_error`` meanwhile)."""
+        if self._aside is None:
+            return None
+        latest = self._watcher.latest
+        if latest is not None and (self._aside[0] is None or latest > self._aside[0]):
+            self._aside = None  # a newer step came: the rank follows again
+            return None
+        return self._aside[1]
 
     async def _wait_for_room(self) -> None:
         assert self._room is not None
@@ -469,21 +526,6 @@ class Poller:
         return current.identity != manifest.identity
 
 
-def open_node_store(config: SyncConfig, node_ranks: int) -> Store:
-    """The bucket's store, read through the node cache when ``config.node_cache`` asks for it
-    (``auto``: when the engine runs more than one rank and the bucket is remote; a ``file://``
-    bucket is already on the node)."""
-    store = open_store(config.url, **dict(config.store_options))
-    if config.node_cache == "off" or (config.node_cache == "auto" and (
-            node_ranks < 2 or store.scheme in ("file", "memory"))):
-        return store
-    from vllm_deltasync.stores.nodecache import NodeCachedStore, cache_root, default_base
-
-    base = Path(config.node_cache_dir) if config.node_cache_dir else default_base()
-    return NodeCachedStore(store, cache_root(base, config.url),
-                           ttl_s=max(600.0, 100 * config.poll_interval_s))
-
-
 def _step_of(exc: BaseException) -> int | None:
     for note in reversed(getattr(exc, "__notes__", ()) or ()):
         if note.startswith("step=") and note[5:].isdigit():
@@ -502,4 +544,4 @@ def _stage_of(exc: BaseException) -> str:
     return "discover"
 
 
-__all__ = ["Each", "Poller", "Prepare"]
+__all__ = ["Each", "Poller", "Prepare", "open_node_store"]
