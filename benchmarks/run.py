@@ -36,6 +36,7 @@ BENCHMARKS = {
     "moe": "per-expert cost: shard map build with learned CPU MoE layouts, one step's apply, layout memory",
     "drafter": "speculative decoding: acceptance rate and decode throughput per training step, drafter following its bucket vs frozen, one run",
     "scale": "1T MoE scale model: one EP rank's real expert share over hf://, requests, bytes, publish/download/decode/apply, encode at 1/2 threads; EP rank 0's plan on full-size DeepSeek-V3 and 1T manifests (one core, median of 5); publish -> applied from measured rates and named assumptions, each halved and doubled",
+    "lora": "LoRA policies: changed bf16 elements per step of the merged weights vs the adapter's A and B (rank 8/64, lr 1e-6..1e-4), bytes per step merged vs adapter through real publishers; serving part to come",
     "gpu": "the GPU rows of every benchmark (publisher diff on the device, snapshot floor on the GPU, decode + apply of 7B shapes, engine apply pause, pytest -m gpu); 'not run' without CUDA",
 }
 DEFAULT_OUT = Path(__file__).with_name("RESULTS.md")
