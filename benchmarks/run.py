@@ -37,6 +37,7 @@ BENCHMARKS = {
     "drafter": "speculative decoding: acceptance rate and decode throughput per training step, drafter following its bucket vs frozen, one run",
     "scale": "1T MoE scale model: one EP rank's real expert share over hf://, requests, bytes, publish/download/decode/apply, encode at 1/2 threads; EP rank 0's plan on full-size DeepSeek-V3 and 1T manifests (one core, median of 5); publish -> applied from measured rates and named assumptions, each halved and doubled",
     "fleet": "10, 100 and 1,000 simulated replicas (real discovery, download, node cache) on the local Hub server, with and without an nginx mirror and fetch jitter: origin requests per 5 min, origin bytes per step, mirror hit ratio, commit -> held p50/p99",
+    "lora": "LoRA policies: changed bf16 elements per step of the merged weights vs the adapter's A and B (rank 8/64, lr 1e-6..1e-4), bytes per step merged vs adapter through real publishers; serving part to come",
     "gpu": "the GPU rows of every benchmark (publisher diff on the device, snapshot floor on the GPU, decode + apply of 7B shapes, engine apply pause, pytest -m gpu); 'not run' without CUDA",
 }
 DEFAULT_OUT = Path(__file__).with_name("RESULTS.md")

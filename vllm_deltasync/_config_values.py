@@ -195,7 +195,7 @@ def _check_http_urls(rule: Rule, value: Any, where: str) -> tuple[str, ...]:
         raise rule.error(where, "<not shown>", "not a list of URLs")
     if len(value) > MAX_MIRRORS:
         raise ConfigError(f"{where}: {len(value)} URLs, at most {MAX_MIRRORS}")
-    urls = tuple(check_http_url(url, f"{where}[{i}]") for i, url in enumerate(value))
+    urls = tuple(check_http_url(url, f"{where}[{i}]").rstrip("/") for i, url in enumerate(value))
     if len(set(urls)) != len(urls):
         raise ConfigError(f"{where}: a URL is listed twice; list each mirror once")
     return urls

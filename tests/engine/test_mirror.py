@@ -18,7 +18,7 @@ import pytest
 from examples.toymodel import build_model
 from vllm_deltasync import DeltaPublisher
 from vllm_deltasync.format.layout import parse_data_path
-from vllm_deltasync.server.extension import sha256_hex
+from vllm_deltasync.server.worker.apply import sha256_hex
 
 from .conftest import close_llm, engine_env, make_llm, open_bucket, requires_vllm, wait_applied
 

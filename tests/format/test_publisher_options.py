@@ -38,7 +38,8 @@ def test_every_bad_option_is_a_config_error_naming_it(tmp_path: Path) -> None:
         ({"codec": "nope"}, "nope"), ({"run_id": "XY" * 4}, "run_id="),
         ({"writer_token": "12"}, "writer_token='12'"), ({"resumed_from": -1}, "resumed_from=-1"),
         ({"previous_on": "gpu"}, "previous_on='gpu'"), ({"store_options": [1]}, "store_options"),
-        ({"on_commit": 3}, "on_commit"),
+        ({"on_commit": 3}, "on_commit"), ({"lora": "adapters"}, "lora='adapters'"),
+        ({"lora": "adapter", "format_version": 1}, "lora='adapter' needs format_version 2 or 3"),
     ]
     for fields, match in bad:
         with pytest.raises(ConfigError, match=match):

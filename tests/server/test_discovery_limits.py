@@ -41,8 +41,8 @@ def _three_steps(url: str, options: dict[str, Any] | None = None) -> dict[int, W
 
 def _settled(f: Follower, truth: dict[int, Weights]) -> None:
     """Follow to step 2 with the garbage step 3 reported: the state the counts are taken in."""
-    f.follow_until(lambda: f.at(2, truth[2]) and f.poller.status()["last_error"] is not None)
-    error = f.poller.status()["last_error"]
+    f.follow_until(lambda: f.at(2, truth[2]) and f.poller.status().last_error is not None)
+    error = f.poller.status().last_error
     assert manifest_path(3) in error and "skipped" in error and "\n" not in error
 
 
@@ -68,8 +68,8 @@ def test_S8_garbage_next_manifest_on_file_costs_one_probe_per_poll(
     assert requests <= 2 * ROUNDS + 4, stats.requests
     assert time.process_time() - cpu < 1.0  # was 5.5 CPU s per 10 s of spinning
     status = f.poller.status()
-    assert status["applied_step"] == 2 and status["newest_step"] == 2
-    assert manifest_path(3) in status["last_error"]  # /synced's rank row names it
+    assert status.applied_step == 2 and status.newest_step == 2
+    assert manifest_path(3) in status.last_error  # /synced's rank row names it
     _closes_in_time(f)
 
 
@@ -93,5 +93,5 @@ def test_S8_garbage_next_manifest_on_hf_costs_one_resolve_per_poll(
     assert not [r for r in hub.requests() if r["status"] == 429]
     garbage = [r for r in hub.requests() if r["path"].endswith(manifest_path(3))]
     assert not garbage, garbage  # remembered: neither probed nor read again
-    assert manifest_path(3) in f.poller.status()["last_error"]
+    assert manifest_path(3) in f.poller.status().last_error
     _closes_in_time(f)

@@ -11,6 +11,7 @@ reached the origin) and the rank's status counters as the engine core exports th
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -24,6 +25,7 @@ from vllm_deltasync import DeltaPublisher
 from vllm_deltasync.config import SyncConfig
 from vllm_deltasync.format.layout import parse_data_path
 from vllm_deltasync.server import metrics
+from vllm_deltasync.server.messages import RankStatus
 from vllm_deltasync.server.worker import bucket as bucket_module
 from vllm_deltasync.server.worker import poller as poller_module
 
@@ -57,7 +59,8 @@ def _exported(follower: Follower) -> dict[tuple[str, str], float]:
     """``deltasync_mirror_requests_total`` by (mirror, outcome), as the engine core exports the
     rank's status."""
     m = metrics.SyncMetrics(registry=CollectorRegistry())
-    m.update([follower.poller.status()])
+    m.update([RankStatus({"policy": dataclasses.replace(follower.poller.status(), model="policy")},
+                         "policy")])
     return {(s.labels["mirror"], s.labels["outcome"]): s.value
             for family in m.registry.collect() for s in family.samples
             if s.name == "deltasync_mirror_requests_total"}
@@ -97,7 +100,7 @@ def test_a_rank_behind_a_corrupt_mirror_applies_only_verified_bytes(
                          mirror_urls=(bad.url,), fetch_jitter_s=0)
     f.follow_until(lambda: f.at(3, truth[3]))  # bit for bit: nothing corrupt was applied
     assert _exported(f)[(bad.url, "corrupt")] >= 1
-    assert f.poller.status()["last_error"] is None
+    assert f.poller.status().last_error is None
     assert not [r for r in bad.requests if r["auth"] or r["key"].startswith("manifests/")]
 
 

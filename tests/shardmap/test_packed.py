@@ -2,7 +2,7 @@
 
 vLLM's CPU GEMM dispatch packs each linear weight into a kernel layout the kernel then computes
 from. With ``cpu_kernels="packed"`` the extension keeps the parameter and puts a repack callable
-on the layer. A real ``RankState`` on vLLM's Qwen2 module (q/k/v biases), every linear layer and
+on the layer. A real ``TargetRank`` on vLLM's Qwen2 module (q/k/v biases), every linear layer and
 the lm_head packed by vLLM's own dispatch (oneDNN on this machine), the kernels called the way
 vLLM's ``cpu_unquantized_gemm`` calls them. Shows:
 

@@ -109,6 +109,7 @@ def _to_dict_v2(m: Manifest) -> dict[str, Any]:
         "writer": m.writer,
         **({"base_id": m.base_id} if m.base_id is not None else {}),
         **({"resumed_from": m.resumed_from} if m.resumed_from is not None else {}),
+        **({"adapter": m.adapter.to_dict()} if m.adapter is not None else {}),
         "step": m.step,
         "kind": m.kind,
         "base_step": m.base_step,

@@ -27,6 +27,7 @@ from vllm_deltasync.format._manifest_entries import (
     Totals,
 )
 from vllm_deltasync.format._manifest_json import expand, file_indexes, is_int, read_document
+from vllm_deltasync.format.adapter import AdapterInfo
 from vllm_deltasync.format.limits import MAX_STEP, name_problem, shape_problem, shown, step_problem
 
 _HEX_ID = re.compile(r"[0-9a-f]{8,64}")
@@ -108,10 +109,13 @@ def _from_dict(doc: Any) -> dict[str, Any]:
     resumed = doc.get("resumed_from")
     if resumed is not None and (problem := step_problem(resumed)) is not None:
         raise FormatError(f"field 'resumed_from' = {shown(resumed)} {problem}")
+    adapter = doc.get("adapter")
+    if adapter is not None:
+        adapter = AdapterInfo.from_dict(adapter)
     return dict(step=step, kind=kind, base_step=base, anchor_step=anchor, created_at=float(created),
                 fingerprint=fp, files=files, tensors=tensors, totals=totals,
                 schema_version=version, run_id=run_id, writer=writer, requires=requires,
-                base_id=base_id, resumed_from=resumed)
+                base_id=base_id, resumed_from=resumed, adapter=adapter)
 
 
 def _too_new(version: Any, requires: Any) -> str:

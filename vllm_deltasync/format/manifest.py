@@ -48,6 +48,7 @@ from vllm_deltasync.format._manifest_json import (
     to_document,
 )
 from vllm_deltasync.format._manifest_schema import MAX_INT, parse_manifest
+from vllm_deltasync.format.adapter import AdapterInfo
 from vllm_deltasync.format.layout import manifest_path
 from vllm_deltasync.format.limits import MAX_NDIM, MAX_NUMEL
 
@@ -96,6 +97,9 @@ class Manifest:
     resumed_from: int | None = None
     """v2 anchor, optional: the training step of the checkpoint a restarted trainer resumed
     from (informative; readers follow identities, not this number)."""
+    adapter: AdapterInfo | None = None
+    """v2, optional: the LoRA adapter an adapter bucket's tensors are (format/adapter.py), on
+    every step of such a bucket; None for model weights."""
     identity: str | None = field(default=None, compare=False)
     """The identity of this manifest's committed bytes: set by :meth:`from_json` and by the
     writer once the bytes exist; never part of the document."""

@@ -30,6 +30,7 @@ import torch
 from vllm_deltasync._loop import BackgroundLoop
 from vllm_deltasync.errors import ConfigError, FormatError
 from vllm_deltasync.format._datafiles import DataFiles, PendingChunk
+from vllm_deltasync.format.adapter import AdapterInfo
 from vllm_deltasync.format.codec import Codec
 from vllm_deltasync.format.codecs import get_codec
 from vllm_deltasync.format.layout import manifest_path
@@ -238,6 +239,9 @@ class StepFacts:
     """Format v2+ delta: the identity of the manifest it was computed from."""
     resumed_from: int | None = None
     """Format v2+ anchor, optional: the checkpoint step a restarted trainer resumed from."""
+    adapter: AdapterInfo | None = None
+    """Format v2+, an adapter bucket's step (``lora="adapter"``): the manifest's ``adapter``
+    record (format/adapter.py)."""
 
     def __post_init__(self) -> None:
         """The step numbers are ones a reader reads (``limits.py``); FormatError otherwise."""
@@ -356,13 +360,17 @@ def write_step(store: Store, loop: BackgroundLoop, facts: StepFacts, items: list
 
     Format ``version`` 3 (default) and 2 need ``run_id`` and ``writer`` and write ``base_id``
     (a delta) and ``resumed_from`` (an anchor, optional); 1 writes the old format (no writer
-    token, no identities, chunks placed by position). The manifest is built, serialized and
-    checked while the last data file is still being written; it is written once every data
-    file is. ``executor``: as in ``write_files``.
+    token, no identities, chunks placed by position); ``facts.adapter``, an adapter bucket's
+    record, needs version 2 or 3. The manifest is built, serialized and checked while the last
+    data file is still being written; it is written once every data file is. ``executor``: as
+    in ``write_files``.
     """
     run_id, writer = options.tokens
     if options.version >= 2 and not (run_id and writer):
         raise ConfigError(f"write_step: format version {options.version} needs run_id and writer")
+    if facts.adapter is not None and options.version < 2:
+        raise ConfigError("write_step: format version 1 has no adapter record; write an adapter "
+                          "bucket's steps with version 2 or 3")
     files, entries = _encode_and_pack(store, loop, facts, items, options, None, executor)
     try:
         v2 = options.version >= 2
@@ -375,6 +383,7 @@ def write_step(store: Store, loop: BackgroundLoop, facts: StepFacts, items: list
             schema_version=options.version, run_id=run_id, writer=writer,
             base_id=facts.base_id if v2 and facts.kind == "delta" else None,
             resumed_from=facts.resumed_from if v2 and facts.kind == "anchor" else None,
+            adapter=facts.adapter,
         )
         data = manifest_bytes(manifest)
     except BaseException:

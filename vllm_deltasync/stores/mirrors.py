@@ -31,12 +31,12 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import quote, urlsplit
+from urllib.parse import quote
 
 import aiohttp
 from yarl import URL
 
-from vllm_deltasync._urls import redact_url
+from vllm_deltasync._urls import check_http_url
 from vllm_deltasync.errors import (
     ConfigError,
     DeltaSyncError,
@@ -58,41 +58,14 @@ _REMEMBERED = 4096
 
 
 def check_mirror_urls(urls: str | Iterable[str], where: str = "mirror_urls") -> tuple[str, ...]:
-    """Base URLs of mirrors from a comma-separated string or a list: ``http(s)://`` with a host,
-    no credentials, no query string or fragment (a refusal never shows what it refuses), the
-    trailing ``/`` removed."""
+    """Base URLs of mirrors from a comma-separated string or a list, by the one rule for
+    http(s) base URLs (``_urls.check_http_url``: no credentials in any spelling, no query
+    string or fragment, never echoed), the trailing ``/`` removed."""
     items = urls.split(",") if isinstance(urls, str) else list(urls)
-    found = []
-    for item in items:
-        if not isinstance(item, str):
-            raise ConfigError(f"{where}: {type(item).__name__} is not a URL; give base URLs such "
-                              "as http://cache.local:8080/run, comma-separated")
-        url = item.strip()
-        if url:
-            found.append(_checked(url, where))
-    return tuple(found)
-
-
-def _checked(url: str, where: str) -> str:
-    try:
-        parts = urlsplit(url)
-        host = parts.hostname
-        parts.port  # noqa: B018 - a bad port raises here
-    except ValueError:
-        raise ConfigError(f"{where}: a mirror URL does not parse ({redact_url(url)!r}); use "
-                          "http(s)://host[:port][/path]") from None
-    if "@" in parts.netloc:
-        raise ConfigError(
-            f"{where}: the mirror URL {redact_url(url)!r} carries credentials (not shown); a "
-            "mirror is read without any: put the origin's credentials on the mirror itself "
-            "(deploy/nginx/), never in its URL")
-    if parts.query or parts.fragment:
-        raise ConfigError(f"{where}: the mirror URL {redact_url(url)!r} has a query string or "
-                          "fragment (not shown); give the plain base URL objects live under")
-    if parts.scheme not in ("http", "https") or not host:
-        raise ConfigError(f"{where}: {redact_url(url)!r} is not an http(s):// base URL; use "
-                          "http(s)://host[:port][/path]")
-    return url.rstrip("/")
+    return tuple(check_http_url(item.strip() if isinstance(item, str) else item,
+                                f"{where}[{i}]").rstrip("/")
+                 for i, item in enumerate(items)
+                 if not (isinstance(item, str) and not item.strip()))
 
 
 @dataclass(frozen=True, kw_only=True)

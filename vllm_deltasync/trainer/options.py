@@ -22,6 +22,7 @@ from vllm_deltasync.errors import ConfigError, FormatError
 from vllm_deltasync.format.codecs import get_codec
 from vllm_deltasync.format.limits import shown, step_problem
 from vllm_deltasync.format.manifest import SCHEMA_VERSION, Manifest
+from vllm_deltasync.trainer.lora import MODES
 
 _TOKEN = re.compile(r"[0-9a-f]{8,64}")
 
@@ -75,6 +76,11 @@ class PublisherOptions:
     encode_threads: int = 0
     """Threads that encode a step's chunks while its files upload (0: one per available core,
     at most 8); the bytes published do not depend on it."""
+    lora: str = "merged"
+    """What ``publish(step, model)`` takes from a PEFT model (trainer/lora.py): ``"merged"``
+    (the weights ``merge_and_unload()`` gives, under the base checkpoint's names) or
+    ``"adapter"`` (only the adapter, as ``save_pretrained`` names it, with its configuration
+    in every manifest; format version 2 or 3). docs/trainer.md, "LoRA"."""
 
     def __post_init__(self) -> None:
         for name, low in (("anchor_every", 1), ("keep_anchors", 1), ("max_file_bytes", 1024),
@@ -99,6 +105,12 @@ class PublisherOptions:
         if self.previous_on not in ("device", "host"):
             raise ConfigError(f"DeltaPublisher: previous_on={self.previous_on!r} must be 'device' "
                               "(the previous step's copy beside each parameter) or 'host'")
+        if self.lora not in MODES:
+            raise ConfigError(f"DeltaPublisher: lora={self.lora!r} must be 'merged' (a PEFT "
+                              "model's merged weights) or 'adapter' (its adapter only)")
+        if self.lora == "adapter" and self.format_version < 2:
+            raise ConfigError("DeltaPublisher: lora='adapter' needs format_version 2 or 3 (the "
+                              "manifest's adapter record); format version 1 has none")
         if self.store_options is not None and not isinstance(self.store_options, Mapping):
             raise ConfigError("DeltaPublisher: store_options must be a mapping of the store "
                               "backend's options (docs/transports.md)")

@@ -33,6 +33,7 @@ import torch
 from vllm_deltasync._loop import BackgroundLoop, default_loop
 from vllm_deltasync.errors import PublishError
 from vllm_deltasync.format._listing import newest_readable
+from vllm_deltasync.format.adapter import AdapterInfo
 from vllm_deltasync.format.limits import (
     MAX_NAME_CHARS,
     name_problem,
@@ -43,6 +44,7 @@ from vllm_deltasync.format.limits import (
 from vllm_deltasync.format.manifest import Region, fingerprint
 from vllm_deltasync.format.writer import StepFacts, StepItem
 from vllm_deltasync.stores import Store, open_store
+from vllm_deltasync.trainer import lora as lora_modes
 from vllm_deltasync.trainer import sharded
 from vllm_deltasync.trainer.diff import Diff, Differ
 from vllm_deltasync.trainer.options import PublisherOptions
@@ -81,6 +83,7 @@ class DeltaPublisher:
         self._since_anchor = 0
         self._anchor_step = -1
         self._force_anchor = False
+        self._adapter: AdapterInfo | None = None  # the adapter of the last step (lora="adapter")
         self._closed = False
         self._uploader = Uploader(self._store, self._loop, options, self.stats, self._differ.release,
                                   run_id=options.run_id or secrets.token_hex(8),
@@ -98,23 +101,29 @@ class DeltaPublisher:
         return self._uploader.writer_token
 
     # ------------------------------------------------------------------ trainer-facing API
-    def publish(self, step: int, named_tensors: TensorSource) -> None:
+    def publish(self, step: int, named_tensors: TensorSource | torch.nn.Module) -> None:
         """Queue ``step``; returns once the diff is taken (uploads continue in the background).
 
-        DTensor parameters make the call collective: every rank of the job calls ``publish``
-        with the same step and writes only its own shards (docs/trainer.md).
+        ``named_tensors``: ``(name, tensor)`` pairs or a mapping, or a module: its
+        ``named_parameters()``, and for a PEFT model what the ``lora`` option says
+        (trainer/lora.py). DTensor parameters make the call collective: every rank of the job
+        calls ``publish`` with the same step and writes only its own shards (docs/trainer.md).
         """
         if self._closed:  # local state: no exchange with the other ranks
             raise PublishError(f"step {step}: the publisher is closed; open a new DeltaPublisher")
-        pairs = list(named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors)
+        pairs, adapter = lora_modes.published_tensors(step, named_tensors, self.options.lora)
         if self._group is not None or sharded.has_dtensor(pairs):
             self._publish_sharded(step, pairs)
             return
         self._raise_background_error()
         self._check_step(step)
         started = time.perf_counter()
+        if adapter != self._adapter:  # another adapter (rank, targets, alpha): a new anchor
+            self._meta, self._force_anchor = {}, True
+            self._differ.clear()
         tensors = self._validate(step, pairs)
-        job = self._make_job(step, tensors)
+        job = self._make_job(step, tensors, adapter=adapter)
+        self._adapter = adapter
         self._last_step = step
         job.diff_s = time.perf_counter() - started
         self.stats.diff_s += job.diff_s
@@ -303,7 +312,8 @@ class DeltaPublisher:
                 )
 
     def _make_job(self, step: int, tensors: dict[str, torch.Tensor],
-                  blocks: Mapping[str, tuple[Region, ...]] | None = None) -> UploadJob:
+                  blocks: Mapping[str, tuple[Region, ...]] | None = None, *,
+                  adapter: AdapterInfo | None = None) -> UploadJob:
         anchor = not self._published or self._force_anchor or self._since_anchor + 1 >= self.options.anchor_every
         lease = object()
         items: list[StepItem] = []
@@ -329,11 +339,11 @@ class DeltaPublisher:
         part_of = blocks is not None
         if anchor:
             self._anchor_step, self._since_anchor, self._force_anchor = step, 0, False
-            return UploadJob(StepFacts(step, "anchor", None, step, fp, totals), items,
-                             sharded=part_of, lease=lease)
+            return UploadJob(StepFacts(step, "anchor", None, step, fp, totals, adapter=adapter),
+                             items, sharded=part_of, lease=lease)
         self._since_anchor += 1
-        return UploadJob(StepFacts(step, "delta", self._last_step, self._anchor_step, fp, totals),
-                         [i for i in items if i.changed], sharded=part_of, lease=lease)
+        facts = StepFacts(step, "delta", self._last_step, self._anchor_step, fp, totals, adapter=adapter)
+        return UploadJob(facts, [i for i in items if i.changed], sharded=part_of, lease=lease)
 
     def _raise_background_error(self) -> None:
         error = self._uploader.take_error()  # queued steps (based on the failed one) are dropped

@@ -6,9 +6,11 @@ replicas with the same values."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TypedDict
+from typing import Any, TypedDict
 
 from vllm_deltasync.config import SyncConfig
+from vllm_deltasync.format.reader import BucketReader
+from vllm_deltasync.server.worker.discovery import StepWatcher
 from vllm_deltasync.stores import open_store
 from vllm_deltasync.stores.base import Store
 from vllm_deltasync.stores.mirrors import MirroredStore
@@ -45,6 +47,21 @@ def watcher_options(config: SyncConfig) -> WatchIntervals:
             "empty_listing_interval_s": config.poll_interval_s}
 
 
+def open_reader(config: SyncConfig, node_ranks: int, fingerprint: str | None,
+                cpus: Any) -> BucketReader:
+    """The rank's reader of its bucket (through the node cache and mirrors), its decode pool
+    sized by the staging cores (``cpus``, none known: the default)."""
+    return BucketReader(open_node_store(config, node_ranks),
+                        max_concurrency=config.download_concurrency, fingerprint=fingerprint,
+                        decode_threads=min(8, len(cpus)) if cpus else 0)
+
+
+def open_watcher(config: SyncConfig, store: Store) -> StepWatcher:
+    """Discovery on ``store``, backing off like the store's retries (``retry_policy``)."""
+    return StepWatcher(store, **watcher_options(config),
+                       retry_policy=getattr(store, "retry_policy", None))
+
+
 def branch_check_s(config: SyncConfig) -> float:
     """How often the applied step's manifest is read again while no newer step continues it."""
     return min(60.0, max(2.0, 10 * config.poll_interval_s))
@@ -61,4 +78,5 @@ def fetch_jitter_s(config: SyncConfig, scheme: str) -> float:
     return 0.0 if scheme in ("file", "memory") else min(config.poll_interval_s, 5.0)
 
 
-__all__ = ["WatchIntervals", "branch_check_s", "fetch_jitter_s", "open_node_store", "watcher_options"]
+__all__ = ["WatchIntervals", "branch_check_s", "fetch_jitter_s", "open_node_store", "open_reader",
+           "open_watcher", "watcher_options"]

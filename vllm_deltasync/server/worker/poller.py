@@ -9,8 +9,8 @@ applies what :meth:`SyncState.take` returns, at a batch boundary.
 
 Thread contract: everything shared with the worker's main thread lives in the rank's
 :class:`~vllm_deltasync.server.worker.state.SyncState` (``poller.state``), which takes its own
-lock; the rest of the poller runs on its loop. It never touches live parameters.
-No vLLM import here: tests drive it with a real ``file://`` bucket and a plain module.
+lock; the rest of the poller runs on its loop. How it reaches its bucket is ``bucket.py``; what
+a round learns from a failure, ``lapses.py``.
 """
 
 from __future__ import annotations
@@ -46,9 +46,16 @@ from vllm_deltasync.server.worker.bucket import (
     branch_check_s,
     fetch_jitter_s,
     open_node_store,
-    watcher_options,
+    open_reader,
+    open_watcher,
 )
-from vllm_deltasync.server.worker.discovery import StepWatcher
+from vllm_deltasync.server.worker.lapses import (
+    branch_change,
+    failed_stage,
+    failed_step,
+    loaded_manifest,
+    rewritten,
+)
 from vllm_deltasync.server.worker.state import StagedStep, SyncState
 
 logger = logging.getLogger(__name__)
@@ -97,26 +104,17 @@ class Poller:
         self.placement: Placement = plan_staging(config.staging_cpus)
         """Where this rank's staging threads run (``server/worker/affinity.py``): read on the
         creating thread (the worker's main thread, bound to its OpenMP cores)."""
-        self._reader = reader or BucketReader(
-            open_node_store(config, node_ranks),
-            max_concurrency=config.download_concurrency,
-            fingerprint=fingerprint,
-            decode_threads=min(8, len(self.placement.cpus)) if self.placement.cpus else 0,
-        )
+        self._reader = reader or open_reader(config, node_ranks, fingerprint, self.placement.cpus)
         self._reader.thread_init = self.placement.place
         self._reader.select = select  # parse only the tensors this rank reads (format/_selected.py)
-        self._watcher = StepWatcher(
-            self._reader.store, **watcher_options(config),
-            # discovery backs off like the store retries (store_options.retry_policy)
-            retry_policy=getattr(self._reader.store, "retry_policy", None),
-        )
+        self._reader.remember_failures_s = config.poll_interval_s
+        self._watcher = open_watcher(config, self._reader.store)
         self._floor: int | None = None
         self._unplannable: int | None = None
         """The newest step, whose chain did not plan (ChainError): while it is the newest,
         discovery looks for a newer step (the next anchor) before planning it again."""
         self._bad: dict[int, tuple[int, float]] = {}
         """Steps that failed verification -> (failures, monotonic time of the next try)."""
-        self._reader.remember_failures_s = config.poll_interval_s
         self.branch_check_s = branch_check_s(config)
         """How often the applied step's manifest is read again from the bucket, to see that
         the bucket still continues it (a trainer restart, a second writer, a wiped bucket)."""
@@ -235,7 +233,7 @@ class Poller:
         costs a few requests, not one download per poll."""
         if not isinstance(exc, FormatError) or isinstance(exc, ChainError | FingerprintError):
             return
-        step = _step_of(exc)
+        step = failed_step(exc)
         if step is None:
             return
         failures = self._bad.get(step, (0, 0.0))[0] + 1
@@ -265,7 +263,7 @@ class Poller:
             raise
 
     def _report(self, exc: BaseException) -> None:
-        stage = _stage_of(exc)
+        stage = failed_stage(exc)
         self.stats.add_failure(stage, exc)
         text = redact_text(f"{error_reason(exc)}: {exc}")
         if text != self.state.poll_error():
@@ -411,11 +409,7 @@ class Poller:
         step = self.state.loaded_step()
         if step is None:
             return
-        try:
-            manifest: Manifest | None = await self._guarded(
-                self._reader.manifest(step, fresh=True), "discover")
-        except NotFoundError:
-            manifest = None
+        manifest = await self._guarded(loaded_manifest(self._reader, step), "discover")
         reason = (f"loaded_step={step}: the bucket has no step {step}; the loaded weights are "
                   "unknown, resyncing through the newest anchor")
         if self.state.adopt_loaded(manifest, reason):
@@ -447,17 +441,9 @@ class Poller:
             current = None
         except FormatError as exc:
             current, bad = None, str(exc)
-        if current is not None and current.identity == applied.identity:
+        reason = branch_change(applied, current, bad)
+        if reason is None:
             return
-        if current is None:
-            now_holds = f"holds no readable step {applied.step}{f' ({bad})' if bad else ''}"
-        else:
-            now_holds = (f"holds another step {applied.step} ({short_id(current.identity)}, run "
-                         f"{current.run_id}, writer {current.writer})")
-        reason = (f"branch changed: the applied step {applied.step} ({short_id(applied.identity)}, "
-                  f"run {applied.run_id}) is no longer in the bucket's chain: the bucket now "
-                  f"{now_holds} (a trainer restart, another writer or a wiped bucket); serving "
-                  "it until the newest anchor of the bucket's chain applies")
         if self.state.lost_branch(reason):
             self.stats.add_branch_change()
             self._bad.clear()
@@ -507,7 +493,7 @@ class Poller:
         except asyncio.CancelledError:
             raise
         except Exception as exc:
-            if isinstance(exc, IntegrityError) and await self._rewritten(manifest):
+            if isinstance(exc, IntegrityError) and await rewritten(self._reader, manifest):
                 raise ChainError(
                     f"step {manifest.step} ({short_id(manifest.identity)}) was replaced in the "
                     "bucket while it was read (a trainer restart or another writer); planning "
@@ -515,33 +501,5 @@ class Poller:
             exc.add_note("stage=download")
             exc.add_note(f"step={manifest.step}")
             raise
-
-    async def _rewritten(self, manifest: Manifest) -> bool:
-        """A step whose data failed to read: is its manifest still the one planned with?
-        (Data of a removed or replaced step is gone; that is not a corrupt step.)"""
-        try:
-            current = await self._reader.manifest(manifest.step, fresh=True)
-        except Exception:  # noqa: BLE001 - gone or unreadable: replaced, plan again
-            return True
-        return current.identity != manifest.identity
-
-
-def _step_of(exc: BaseException) -> int | None:
-    for note in reversed(getattr(exc, "__notes__", ()) or ()):
-        if note.startswith("step=") and note[5:].isdigit():
-            return int(note[5:])
-    return None
-
-
-def _stage_of(exc: BaseException) -> str:
-    if isinstance(exc, IntegrityError):
-        return "verify"
-    if isinstance(exc, FingerprintError):
-        return "discover"
-    for note in reversed(getattr(exc, "__notes__", ()) or ()):
-        if note.startswith("stage="):
-            return note[len("stage="):]
-    return "discover"
-
 
 __all__ = ["Each", "Poller", "Prepare", "open_node_store"]
