@@ -118,7 +118,7 @@ def test_engine_core_failures_never_show_a_secret(caplog: pytest.LogCaptureFixtu
             return "3"
 
     coord = Coordinator(EngineCore(), SyncConfig(url="file:///tmp/b", metrics_port=0),
-                        wake=lambda: None, pause_states=None)
+                        wake=lambda: None)
     coord.active = True
     with caplog.at_level("ERROR"):
         for _ in range(3):

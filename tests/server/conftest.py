@@ -4,7 +4,6 @@ the stand-in engine core and wire-speaking ranks the coordinator's unit tests dr
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -46,24 +45,6 @@ def follower_factory() -> Iterator[Callable[..., Follower]]:
 # vLLM's workers do (all ranks run a broadcast, then the first failure is raised). The ranks
 # speak the wire protocol of ``server/messages.py`` (what crosses vLLM's RPC); their switch
 # state is a step per target, or "mixed" when half written; failures are injected per method.
-
-
-class Pause(enum.Enum):
-    UNPAUSED = 0
-    PAUSED_NEW = 1
-    PAUSED_ALL = 2
-
-
-class Scheduler:
-    def __init__(self) -> None:
-        self.pause_state = Pause.UNPAUSED
-        self.unfinished = False
-
-    def set_pause_state(self, state: Pause) -> None:
-        self.pause_state = state
-
-    def has_unfinished_requests(self) -> bool:
-        return self.unfinished
 
 
 class FakeTarget:
@@ -159,11 +140,13 @@ class FakeRank:
 
 
 class FakeEngine:
-    """The part of vLLM's EngineCore the coordinator calls (a stand-in of a foreign object)."""
+    """An engine core as the coordinator drives it (``server/engine/handle.py`` ``EngineCore``):
+    a stand-in of vLLM's, whose ``collective_rpc`` reaches the fake ranks."""
 
     def __init__(self, ranks: list[FakeRank]) -> None:
         self.ranks = ranks
-        self.scheduler = Scheduler()
+        self.paused = "none"
+        self.unfinished = False
         self.version = "2"
         self.calls: list[str] = []
         self.prefix_resets = 0
@@ -197,6 +180,15 @@ class FakeEngine:
     def get_weight_version(self) -> str:
         return self.version
 
+    def pause(self) -> str:
+        return self.paused
+
+    def set_pause(self, state: str) -> None:
+        self.paused = state
+
+    def has_unfinished_requests(self) -> bool:
+        return self.unfinished
+
 
 def once(exc: BaseException) -> Callable[[], None]:
     """A failure injected once (the next call goes through)."""
@@ -214,6 +206,6 @@ def make_coordinator(ranks: list[FakeRank], *, trainer_driven: bool = False,
                      **config: Any) -> tuple[Coordinator, FakeEngine]:
     engine = FakeEngine(ranks)
     coord = Coordinator(engine, SyncConfig(url="file:///tmp/bucket", metrics_port=0, **config),
-                        wake=None, pause_states=Pause, trainer_driven=trainer_driven)
+                        wake=None, trainer_driven=trainer_driven)
     coord.active = True
     return coord, engine

@@ -23,7 +23,7 @@ from vllm_deltasync.server.messages import TargetStatus
 
 from .conftest import FakeEngine as Engine
 from .conftest import FakeRank as Rank
-from .conftest import Pause, make_coordinator, once
+from .conftest import make_coordinator, once
 
 
 def coordinator(ranks: list[Rank], **config: Any) -> tuple[Coordinator, Engine]:
@@ -96,7 +96,7 @@ def test_apply_broadcast_failing_after_rank_0_wrote_is_reverted_on_every_rank() 
     assert engine.calls == ["deltasync_status", "deltasync_apply", "deltasync_revert"]
     assert consistent(engine) == {(2, 2)}, "rank 0's write was not taken back"
     assert engine.version == "2" and coord.held is None
-    assert engine.scheduler.pause_state is Pause.UNPAUSED
+    assert engine.paused == "none"
     assert coord.failed_ticks == 1 and "apply broadcast failed" in (coord.last_error or "")
 
 
@@ -116,7 +116,7 @@ def test_a_rank_that_cannot_take_it_back_holds_until_an_anchor_applies_everywher
     coord.tick()
     assert "deltasync_revert" in engine.calls and "deltasync_reset" in engine.calls
     assert coord.held is not None and engine.version == "inconsistent"
-    assert engine.scheduler.pause_state is Pause.PAUSED_ALL
+    assert engine.paused == "all"
     assert all(r.applied is None for r in engine.ranks)
     ok, body = coord.metrics.synced()
     assert not ok and "SwitchHeld" in body["coordinator"]["last_error"]
@@ -124,14 +124,14 @@ def test_a_rank_that_cannot_take_it_back_holds_until_an_anchor_applies_everywher
     assert coord.engine_status()["failing"] and coord.engine_status()["held"]
 
     coord.tick()  # nothing staged yet: still held, nothing unpaused
-    assert coord.held is not None and engine.scheduler.pause_state is Pause.PAUSED_ALL
+    assert coord.held is not None and engine.paused == "all"
     assert not coord.metrics.synced()[0]
     # the ranks wait for different anchors (rank 0 dropped the failed step): their queues
     # share no prefix, but both reach anchor 10 from nothing
     engine.ranks[0].ready, engine.ranks[1].ready = [10], [5, 6, 10]
     coord.tick()
     assert consistent(engine) == {(10, 10)} and engine.version == "10"
-    assert coord.held is None and engine.scheduler.pause_state is Pause.UNPAUSED
+    assert coord.held is None and engine.paused == "none"
     assert coord.primary.holds[-1]["released_step"] == 10
     assert coord.metrics.synced()[1]["coordinator"]["failing"] is False
 
@@ -155,19 +155,19 @@ def test_the_hold_sends_reset_again_to_a_rank_it_did_not_reach() -> None:
 
 def test_the_hold_is_not_released_by_a_drain_or_a_resume() -> None:
     coord, engine = coordinator([Rank(0), Rank(1)], in_flight="drain")
-    engine.scheduler.unfinished = True
+    engine.unfinished = True
     coord.tick()  # drain starts: new requests paused by the coordinator
-    assert engine.scheduler.pause_state is Pause.PAUSED_NEW
-    engine.scheduler.unfinished = False
+    assert engine.paused == "new"
+    engine.unfinished = False
     engine.ranks[1].dirty = True
     engine.ranks[1].fail["deltasync_apply"] = once(RuntimeError("boom"))
     coord.tick()
-    assert coord.held is not None and engine.scheduler.pause_state is Pause.PAUSED_ALL
+    assert coord.held is not None and engine.paused == "all"
     coord.tick()  # nothing common is ready: the drain is released, the hold is not
-    assert engine.scheduler.pause_state is Pause.PAUSED_ALL
-    engine.scheduler.set_pause_state(Pause.UNPAUSED)  # someone resumed the engine
+    assert engine.paused == "all"
+    engine.set_pause("none")  # someone resumed the engine
     coord.tick()
-    assert engine.scheduler.pause_state is Pause.PAUSED_ALL
+    assert engine.paused == "all"
 
 
 def test_the_revert_broadcast_failing_holds() -> None:
@@ -176,7 +176,7 @@ def test_the_revert_broadcast_failing_holds() -> None:
     engine.broadcast_fail["deltasync_revert"] = TimeoutError("revert timed out")
     coord.tick()
     assert coord.held is not None and "revert broadcast failed too" in coord.held
-    assert engine.version == "inconsistent" and engine.scheduler.pause_state is Pause.PAUSED_ALL
+    assert engine.version == "inconsistent" and engine.paused == "all"
     assert all(r.applied is None for r in engine.ranks)
 
 
@@ -288,7 +288,7 @@ def test_a_drafter_that_cannot_take_back_resyncs_without_holding_the_engine() ->
     engine.ranks[1].deltasync_apply = apply  # type: ignore[method-assign]
     coord.tick()
     assert coord.followers["drafter"].held is not None and coord.held is None
-    assert engine.scheduler.pause_state is Pause.UNPAUSED and coord.failed_ticks == 0
+    assert engine.paused == "none" and coord.failed_ticks == 0
     assert {r.targets["drafter"].applied for r in engine.ranks} == {None}  # resync via anchor
     assert consistent(engine, "policy") == {(3, 3)} and engine.version == "3"
     ok, body = coord.metrics.synced()

@@ -83,7 +83,9 @@ class _Index:
         tree = self.tree(module)
         if tree is None or depth > 6:
             return None
-        for node in tree.body:
+        body = [n for node in tree.body  # a name served by the module's __getattr__ is
+                for n in ([node] if not isinstance(node, ast.If) else node.body)]  # declared
+        for node in body:  # in ``if TYPE_CHECKING:`` (``vllm.platforms.current_platform``)
             if isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) \
                     and node.name == name:
                 return module, node

@@ -4,7 +4,7 @@ Runs on the engine core's busy-loop thread, between two scheduler steps (the plu
 calls :meth:`Coordinator.tick` when the private wake-up it queued is handled). It talks to the
 ranks only through ``engine.collective_rpc``, which every worker executes in order with
 ``execute_model``: a broadcast between two steps lands on all ranks between the same two model
-steps. No vLLM import here; the engine handle and vLLM's ``PauseState`` are passed in.
+steps. No vLLM import here: the engine is the typed handle of ``handle.py``.
 
 Each tick reads every rank's status (parsed once, ``server/messages.py``), feeds the metrics,
 notices weights written behind our back, and hands each followed target's statuses to its
@@ -36,6 +36,7 @@ from vllm_deltasync.format.manifest import SCHEMA_VERSION
 from vllm_deltasync.server.endpoint import MetricsServer
 from vllm_deltasync.server.engine.follower import TargetFollower
 from vllm_deltasync.server.engine.gate import Gate
+from vllm_deltasync.server.engine.handle import EngineCore
 from vllm_deltasync.server.engine.switch import Failpoint, SwitchHeld, fatal
 from vllm_deltasync.server.messages import EngineStatus, RankStatus, TargetStatus
 from vllm_deltasync.server.metrics import SyncMetrics
@@ -59,8 +60,8 @@ def parse_statuses(raw: Any) -> list[RankStatus]:
 class Coordinator:
     """Starts the ranks, ticks, and owns what is engine-wide (module doc)."""
 
-    def __init__(self, engine: Any, config: SyncConfig, *, wake: Callable[[], None] | None,
-                 pause_states: Any, trainer_driven: bool = False) -> None:
+    def __init__(self, engine: EngineCore, config: SyncConfig, *,
+                 wake: Callable[[], None] | None, trainer_driven: bool = False) -> None:
         self.engine = engine
         self.config = config
         self.trainer_driven = trainer_driven
@@ -70,7 +71,7 @@ class Coordinator:
         self._wake = wake
         self.metrics = SyncMetrics(bucket_url=config.url, format_version=SCHEMA_VERSION)
         self.server: MetricsServer | None = None
-        self.gate = Gate(engine, pause_states, config.max_drain_wait_s)
+        self.gate = Gate(engine, config.max_drain_wait_s)
         self.failpoint = Failpoint()
         self.followers = {t.name: TargetFollower(engine, config, t, self.gate, self.failpoint,
                                                  self.metrics, self.read_statuses)

@@ -30,6 +30,7 @@ from typing import Any
 from vllm_deltasync._urls import redact_text
 from vllm_deltasync.config import SyncConfig
 from vllm_deltasync.server.engine.gate import Gate
+from vllm_deltasync.server.engine.handle import EngineCore
 from vllm_deltasync.server.engine.ready import common_ready
 from vllm_deltasync.server.engine.switch import CommitFailed, Failpoint, Switch
 from vllm_deltasync.server.messages import RankStatus, SwitchRecord, TargetReport, TargetStatus
@@ -54,7 +55,7 @@ INCONSISTENT = "inconsistent"
 class TargetFollower:
     """One target on the engine core (module doc)."""
 
-    def __init__(self, engine: Any, config: SyncConfig, target: Target, gate: Gate,
+    def __init__(self, engine: EngineCore, config: SyncConfig, target: Target, gate: Gate,
                  failpoint: Failpoint, metrics: Any,
                  read: Callable[[], Sequence[RankStatus]]) -> None:
         """``read``: every rank's status read now (the coordinator's parse)."""

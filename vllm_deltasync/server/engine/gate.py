@@ -8,15 +8,16 @@ vLLM's scheduler has a pause state (``UNPAUSED``, ``PAUSED_NEW``: no new request
 - a **drain** (``in_flight="drain"``): before a switch, new requests wait until the running
   ones finish (at most ``max_drain_wait_s``).
 
-A hold outranks a drain: releasing a drain never unpauses a held engine. The pause states
-(vLLM's ``PauseState``) are handed in, so nothing here imports vLLM.
+A hold outranks a drain: releasing a drain never unpauses a held engine. The engine is the
+typed handle of ``handle.py``.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+
+from vllm_deltasync.server.engine.handle import EngineCore
 
 logger = logging.getLogger(__name__)
 
@@ -24,9 +25,8 @@ logger = logging.getLogger(__name__)
 class Gate:
     """The engine core's scheduling pause, owned by the coordinator (module doc)."""
 
-    def __init__(self, engine: Any, pause_states: Any, max_drain_wait_s: float) -> None:
+    def __init__(self, engine: EngineCore, max_drain_wait_s: float) -> None:
         self._engine = engine
-        self._pause = pause_states
         self._max_drain_wait_s = max_drain_wait_s
         self.holders: set[str] = set()
         """Targets holding the engine (their name)."""
@@ -44,31 +44,29 @@ class Gate:
     def hold(self, name: str) -> None:
         """No batch runs (first thing, so nothing runs on mixed weights whatever fails next)."""
         self.holders.add(name)
-        self._engine.scheduler.set_pause_state(self._pause.PAUSED_ALL)
+        self._engine.set_pause("all")
         self._drain_since, self._paused_by_drain = None, False  # the hold owns the pause now
 
     def keep_held(self) -> None:
         """While held: put the pause back if something else changed it."""
-        sched = self._engine.scheduler
-        if self.holders and sched.pause_state != self._pause.PAUSED_ALL:
-            sched.set_pause_state(self._pause.PAUSED_ALL)
+        if self.holders and self._engine.pause() != "all":
+            self._engine.set_pause("all")
 
     def release(self, name: str) -> None:
         self.holders.discard(name)
         if not self.holders:
-            self._engine.scheduler.set_pause_state(self._pause.UNPAUSED)
+            self._engine.set_pause("none")
 
     def drained(self) -> bool:
         """True when no request runs, or the drain waited ``max_drain_wait_s``; starts the
         drain (new requests wait) on its first call."""
-        sched = self._engine.scheduler
-        if not sched.has_unfinished_requests():
+        if not self._engine.has_unfinished_requests():
             return True
         now = time.monotonic()
         if self._drain_since is None:
             self._drain_since = now
-            if sched.pause_state == self._pause.UNPAUSED:
-                sched.set_pause_state(self._pause.PAUSED_NEW)
+            if self._engine.pause() == "none":
+                self._engine.set_pause("new")
                 self._paused_by_drain = True
         if now - self._drain_since >= self._max_drain_wait_s:
             logger.warning("deltasync: requests still running after %.1fs of drain; switching",
@@ -81,7 +79,7 @@ class Gate:
         if self._paused_by_drain:
             self._paused_by_drain = False
             if not self.holders:  # a hold keeps everything paused until it is released
-                self._engine.scheduler.set_pause_state(self._pause.UNPAUSED)
+                self._engine.set_pause("none")
 
 
 __all__ = ["Gate"]

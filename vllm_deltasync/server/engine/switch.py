@@ -33,6 +33,7 @@ from typing import Any
 from vllm_deltasync import failpoints
 from vllm_deltasync.config import SyncConfig
 from vllm_deltasync.errors import DeltaSyncError
+from vllm_deltasync.server.engine.handle import EngineCore
 from vllm_deltasync.server.messages import (
     ApplyAnswer,
     CommitAnswer,
@@ -109,7 +110,7 @@ class Switch:
     how many ranks answer. :meth:`run` never leaves the ranks on two versions without saying
     so."""
 
-    def __init__(self, engine: Any, config: SyncConfig, target: Target, ranks: int,
+    def __init__(self, engine: EngineCore, config: SyncConfig, target: Target, ranks: int,
                  failpoint: Failpoint) -> None:
         self.engine = engine
         self.config = config

@@ -37,12 +37,14 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from vllm_deltasync.server import surface_check
 from vllm_deltasync.server.engine import trainer
 from vllm_deltasync.server.engine.admission import EngineFacts, coordinator_config
 from vllm_deltasync.server.engine.coordinator import Coordinator
+from vllm_deltasync.server.engine.handle import Pause
 from vllm_deltasync.server.vllm import surface
 
 logger = logging.getLogger(__name__)
@@ -53,24 +55,48 @@ TICK = "deltasync-tick"
 
 
 class EngineHandle:
-    """What the coordinator calls on an engine core: vLLM's own ``collective_rpc``,
-    ``reset_prefix_cache``, ``get_weight_version``, ``set_weight_version`` (bound from the class,
-    so our instance hooks are bypassed) and its ``scheduler``."""
-
-    _METHODS = frozenset({"collective_rpc", "reset_prefix_cache", "get_weight_version",
-                          "set_weight_version"})
+    """The coordinator's typed handle on one engine core (``server/engine/handle.py``
+    ``EngineCore``): vLLM's own ``collective_rpc``, ``reset_prefix_cache``,
+    ``get_weight_version``, ``set_weight_version`` (bound from the class, so our instance hooks
+    are bypassed) and the scheduler's pause, in our words (``none``/``new``/``all``)."""
 
     def __init__(self, engine: Any) -> None:
+        from vllm.v1.core.sched.interface import PauseState
+
         self._engine = engine
+        self._cls = type(engine)
+        self._states: dict[Pause, Any] = {"none": PauseState.UNPAUSED,
+                                          "new": PauseState.PAUSED_NEW,
+                                          "all": PauseState.PAUSED_ALL}
 
-    @property
-    def scheduler(self) -> Any:
-        return self._engine.scheduler
+    def collective_rpc(self, method: str, timeout: float | None = None,
+                       args: Sequence[Any] = (), kwargs: Mapping[str, Any] | None = None
+                       ) -> list[Any]:
+        return list(self._cls.collective_rpc(self._engine, method, timeout, tuple(args),
+                                             dict(kwargs) if kwargs is not None else None))
 
-    def __getattr__(self, name: str) -> Any:
-        if name in EngineHandle._METHODS:
-            return getattr(type(self._engine), name).__get__(self._engine)
-        raise AttributeError(name)
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        return bool(self._cls.reset_prefix_cache(
+            self._engine, reset_running_requests=reset_running_requests))
+
+    def get_weight_version(self) -> str:
+        return str(self._cls.get_weight_version(self._engine))
+
+    def set_weight_version(self, weight_version: str) -> None:
+        self._cls.set_weight_version(self._engine, weight_version)
+
+    def pause(self) -> Pause:
+        state = self._engine.scheduler.pause_state
+        for ours, theirs in self._states.items():
+            if theirs == state:
+                return ours
+        return "none"
+
+    def set_pause(self, state: Pause) -> None:
+        self._engine.scheduler.set_pause_state(self._states[state])
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._engine.scheduler.has_unfinished_requests())
 
 
 def on_engine_core(engine: Any) -> None:
@@ -229,7 +255,6 @@ def start_coordinator(engine: Any, *, in_process: bool = False) -> Any:
     configuration is invalid, or this vLLM lacks a symbol of :data:`.surface.SURFACE` (or the
     plugin could not install a patch in this process); vLLM serves the loaded weights then.
     None when deltasync is not configured at all."""
-    from vllm.v1.core.sched.interface import PauseState
     from vllm.v1.engine import EngineCoreRequestType
 
     facts = facts_of(engine.vllm_config)
@@ -242,7 +267,6 @@ def start_coordinator(engine: Any, *, in_process: bool = False) -> Any:
         engine.input_queue.put_nowait((EngineCoreRequestType.WAKEUP, TICK))
 
     coord = Coordinator(EngineHandle(engine), config, wake=None if in_process else wake,
-                        pause_states=PauseState,
                         trainer_driven=facts.weight_transfer_backend == trainer.BACKEND)
     coord.start(refuse=refuse)
     return coord

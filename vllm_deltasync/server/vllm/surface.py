@@ -44,6 +44,9 @@ class Symbol:
     """An instance attribute (``self.<name> = ...``), not a ``def``."""
     private: bool = False
     """Not vLLM's public API (a leading underscore, or an internal module)."""
+    also: tuple[str, ...] = ()
+    """Attributes this row covers that vLLM sets on objects outside any class (the ``cpu_linear``
+    kernel the CPU dispatch puts on a layer): no row of their own, checked through this one."""
     scope: str = "engine"
     """What a missing symbol refuses: ``engine`` (the extension: vLLM serves the loaded weights)
     or ``drafter`` (only the speculative drafter's following; the policy follows)."""
@@ -74,7 +77,7 @@ SURFACE: tuple[Symbol, ...] = (
            "CPU build only: keep each Linear's weight storage (vLLM frees it after packing) so "
            "in-place writes reach what the kernel reads (cpu_kernels='packed'/'inplace')",
            "CPU build: the extension refuses (writes would change nothing); GPU: not used",
-           params=("layer", "remove_weight"), private=True),
+           params=("layer", "remove_weight"), private=True, also=("cpu_linear",)),
     # ---- replaced on the instance of an engine core that names the extension
     Symbol(f"{_CORE}:EngineCoreProc._process_input_queue", "patched",
            "the first call of each busy-loop iteration (EngineCoreProc's and DPEngineCoreProc's "
@@ -173,6 +176,67 @@ SURFACE: tuple[Symbol, ...] = (
     Symbol("vllm.outputs:CompletionOutput.weight_versions", "read",
            "the spans of a request's tokens (vLLM's own)", "responses carry no spans",
            attr=True),
+    # ---- read at start by the engine core and the workers (issue 34: every attribute a row)
+    Symbol("vllm.platforms:current_platform", "read",
+           "the CPU GEMM patch is installed on the CPU platform only (plugin.py)",
+           "the extension refuses", attr=True),
+    Symbol("vllm.config.model:ModelConfig.is_moe", "read",
+           "refuse a MoE model at data parallel size > 1 (server/engine/admission.py)",
+           "the extension refuses (no silent loss of the refusal)"),
+    Symbol("vllm.config.model:ModelConfig.model", "read",
+           "the checkpoint the rank's shard map is checked against", "the extension refuses",
+           attr=True),
+    Symbol("vllm.config.model:ModelConfig.get_vocab_size", "called",
+           "the startup proof's input tokens span the vocabulary", "the proof refuses"),
+    Symbol("vllm.config.vllm:VllmConfig.model_config", "read", "the model being served",
+           "the extension refuses", attr=True),
+    Symbol("vllm.config.vllm:VllmConfig.parallel_config", "read", "the parallel layout",
+           "the extension refuses", attr=True),
+    Symbol("vllm.v1.core.sched.output:SchedulerOutput.total_num_scheduled_tokens", "read",
+           "the per-step trace counts the tokens of each model step (deltasync_trace)",
+           "the extension refuses", attr=True),
+    Symbol("vllm.outputs:RequestOutput.outputs", "read",
+           "the API server reads each output's weight_versions (server/vllm/http.py)",
+           "responses carry no spans", attr=True),
+    Symbol("vllm.model_executor.layers.linear:LinearBase.quant_method", "read",
+           "the CPU dispatch and the drafter's proof call the layer's own kernel method",
+           "the extension refuses", attr=True),
+    Symbol("vllm.model_executor.layers.vocab_parallel_embedding:VocabParallelEmbedding."
+           "quant_method", "read", "the proof's lm_head logits through its own method",
+           "the proof refuses", attr=True),
+    Symbol("vllm.model_executor.layers.linear:ColumnParallelLinear.bias", "read",
+           "the CPU dispatch packs with a private copy of the bias (cpu_gemm.py)",
+           "the extension refuses", attr=True),
+    Symbol("vllm.model_executor.parameter:BasevLLMParameter.weight_loader", "wrapped",
+           "while probing the shard map, a loader answering False (another rank's tensor) is "
+           "heard (server/vllm/loaders.py); put back after the probe",
+           "experts of other EP ranks cannot be told from errors: the map refuses"),
+    Symbol("vllm.model_executor.models.llama:LlamaForCausalLM.load_weights", "called",
+           "the shard-map probe runs the model's own loader on meta-device stand-ins (every "
+           "model class has one; Llama's stands for them)", "no model can be followed",
+           params=("weights",)),
+    Symbol("vllm.model_executor.models.llama:LlamaForCausalLM.lm_head", "read",
+           "the proof's forward adds this rank's lm_head logits", "the proof is weaker",
+           attr=True),
+    Symbol("vllm.model_executor.models.llama:LlamaModel.make_empty_intermediate_tensors", "called",
+           "pipeline parallel: a later stage's input buffers", "pipeline parallel refuses",
+           attr=True),
+    Symbol(f"{_RUNNER}.dtype", "read", "the size of those buffers", "pipeline parallel refuses",
+           attr=True),
+    Symbol(f"{_RUNNER}.device", "read", "the same", "pipeline parallel refuses", attr=True),
+    Symbol(f"{_MOE}.routed_experts:RoutedExperts.quant_method", "read",
+           "the MoE experts' kernel, to learn the layout it puts weights in", "MoE models refuse",
+           attr=True),
+    Symbol(f"{_MOE}.routed_experts:RoutedExperts.moe_config", "read", "the same",
+           "MoE models refuse", attr=True),
+    Symbol(f"{_MOE}.config:FusedMoEConfig.hidden_dim", "read", "the experts' shapes",
+           "MoE models refuse", attr=True),
+    Symbol(f"{_MOE}.config:FusedMoEConfig.intermediate_size_per_partition", "read", "the same",
+           "MoE models refuse"),
+    Symbol(f"{_MOE}.config:FusedMoEConfig.is_act_and_mul", "read", "the same",
+           "MoE models refuse"),
+    Symbol(f"{_MOE}.experts.cpu_moe:CPUUnquantizedExperts.isa", "read",
+           "names the learned layout (vec or amx)", "the layout is named without it"),
     # ---- the speculative drafter (drafter_url; server/vllm/worker.py drafter_source)
     Symbol("vllm.config:VllmConfig.speculative_config", "read",
            "whether the engine runs a draft model, and its checkpoint",
@@ -261,8 +325,9 @@ SURFACE: tuple[Symbol, ...] = (
            "run on a stand-in module to learn the expert layout", "MoE models refuse",
            params=("layer",), private=True),
     Symbol(f"{_MOE}.oracle.unquantized:convert_to_unquantized_kernel_format", "called",
-           "the same", "MoE models refuse",
-           params=("moe_config", "w13_weight", "w2_weight", "layer"), private=True),
+           "the same (with the layer's w13_weight and w2_weight, registered by its method)",
+           "MoE models refuse", params=("moe_config", "w13_weight", "w2_weight", "layer"),
+           private=True, also=("w13_weight", "w2_weight")),
     Symbol("vllm.config.parallel:ParallelConfig.worker_extension_cls", "read",
            "does this engine name the extension", "nothing follows", attr=True),
     Symbol("vllm.config.parallel:ParallelConfig.tensor_parallel_size", "read", "shard maps",
