@@ -1,11 +1,11 @@
 """A busy engine switches every step within the bound (issue 34, item 8: "the stall").
 
-A TP=2 engine generates one long batch without pause while a trainer publishes ten steps
+A TP=2 engine generates long batches, one after another, while a trainer publishes ten steps
 0.3 s apart. The engine core ticks between model steps (its wake-ups wait in the input queue
 behind nothing), each tick reads every rank's status, and a step that every rank has staged is
 switched at the first tick that sees it (``SWITCH_BOUND_TICKS``). The test fails if any step
 waited staged on every rank past that bound (the follower's ``max_wait_ticks``), or if the
-engine has not reached the last step right after the batch.
+engine has not reached the last step right after the last one.
 
 The cause found for the intermittent stall of the last rounds: the coordinator switched only to
 a step every rank had staged *with the same staged steps before it*. Ranks plan their chains by
@@ -71,11 +71,11 @@ def test_a_busy_tp2_engine_switches_every_step_within_the_bound(tmp_path: Path) 
                     published.append(time.monotonic())
 
             trainer_thread = threading.Thread(target=publish, daemon=True)
-            started = time.monotonic()
             trainer_thread.start()
-            outputs = llm.generate(prompts, params, use_tqdm=False)
-            generated_s = time.monotonic() - started
-            trainer_thread.join(timeout=60)
+            outputs = []
+            while trainer_thread.is_alive():  # serve without pause until the last step is out
+                outputs.extend(llm.generate(prompts, params, use_tqdm=False))
+            trainer_thread.join()
             assert len(published) == STEPS, "the trainer did not publish every step"
             statuses = wait_applied(llm, STEPS, timeout_s=30)
             status = engine_status(llm)
@@ -86,7 +86,6 @@ def test_a_busy_tp2_engine_switches_every_step_within_the_bound(tmp_path: Path) 
     switched = [r["step"] for r in status["switches"]]
     assert switched == sorted(switched) and switched[-1] == STEPS, switched
     assert status["max_wait_ticks"] <= SWITCH_BOUND_TICKS, status
-    # the batch really ran across the switches (the engine was busy while they happened)
+    # the batches really ran across the switches (the engine was busy while they happened)
     crossed = [o for o in outputs if len({s.version for s in o.outputs[0].weight_versions}) > 2]
-    assert published[-1] - started < generated_s, "the batch ended before the last step"
     assert crossed, "no request ran across several switches: the engine was not busy"
