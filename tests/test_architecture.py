@@ -324,6 +324,17 @@ def test_failpoints_are_read_in_one_place() -> None:
     assert not offenders, f"test machinery outside failpoints.py: {offenders}"
 
 
+def test_tests_arm_failpoints_through_the_one_variable() -> None:
+    """A test that still sets a retired ``DELTASYNC_TEST_*`` variable arms nothing: its failure
+    path silently stops running (test_packed and test_moe did, until this check). Only the
+    red-team test of the retired engine hook names one, to show it does nothing."""
+    tests = PACKAGE.parent / "tests"
+    offenders = sorted(str(p.relative_to(tests)) for p in tests.rglob("*.py")
+                       if p.name not in {"test_architecture.py", "test_red_team_server.py"}
+                       and '"DELTASYNC_TEST_' in p.read_text(encoding="utf-8"))
+    assert not offenders, f"retired DELTASYNC_TEST_* variables set (use failpoints.env): {offenders}"
+
+
 def _runtime_nodes(tree: ast.AST) -> list[ast.AST]:
     """Every node of ``tree`` but those under ``if TYPE_CHECKING:`` (never run)."""
     out: list[ast.AST] = []

@@ -10,7 +10,7 @@ request that spans a switch. One server is shared by the tests of this module, i
 publishes the steps it needs after the previous test's.
 
 Switches are placed deterministically, not by timing: with the test-only
-``DELTASYNC_TEST_SWITCH_EVERY_STEPS`` the coordinator switches only from a tick the engine runs
+failpoint ``switch_every_steps`` the coordinator switches only from a tick the engine runs
 after every few model steps. A step staged while the server is idle therefore waits (the test
 sees it staged, ``deltasync_staged_step``, and still not applied) and is switched to a few
 tokens into the next request: the first tokens come from the old step, the rest from the new.

@@ -6,7 +6,7 @@ for every model step it runs, the applied version at the start and at the end of
 position by position across ranks, and start and end must be equal within each step.
 
 Switches are placed deterministically, not by timing: with the test-only
-``DELTASYNC_TEST_SWITCH_EVERY_STEPS`` the coordinator starts a switch only from a tick the engine
+failpoint ``switch_every_steps`` the coordinator starts a switch only from a tick the engine
 runs after every few model steps, so each step staged before a batch is switched to inside that
 batch. Both ways of treating requests in flight run: ``continue`` (the default: running
 requests go on with the new weights, so some request spans two versions) and ``drain`` (the

@@ -15,7 +15,7 @@ checkpoint. Here:
   withdrawn before any batch, the rebuilt map is proved again, and the follower resyncs
   through the anchor to the newest step and answers like the fresh engine again. (vLLM's own
   ``reload_weights`` fails on the padded CPU MoE layout, so not on the Qwen3-MoE runs.)
-* With the old checkpoint-layout path forced (``DELTASYNC_TEST_NO_LAYOUTS=1``), the startup
+* With the old checkpoint-layout path forced (failpoint ``no_layouts=1``), the startup
   proof refuses: no rank follows, the engine serves its checkpoint, ``/synced`` answers 503
   and ``deltasync_failing`` is 1 with the parameter named.
 
@@ -44,7 +44,7 @@ from typing import Any
 import pytest
 
 from examples.toymodel import build_model
-from vllm_deltasync import DeltaPublisher
+from vllm_deltasync import DeltaPublisher, failpoints
 
 from .conftest import (
     FreshOutputs,
@@ -265,11 +265,11 @@ class Refused:
 @pytest.fixture(scope="module")
 def tp2_refused(tmp_path_factory: pytest.TempPathFactory) -> Refused:
     """Qwen3-MoE (padded) follows at TP=2; then a second TP=2 engine starts from the final
-    checkpoint with ``DELTASYNC_TEST_NO_LAYOUTS=1``: its proof refuses (see the module doc)."""
+    checkpoint with the failpoint ``no_layouts=1``: its proof refuses (see the module doc)."""
     tmp = tmp_path_factory.mktemp("tp2")
     run = _follow(tmp, "qwen3-moe-padded", 2)
     port = free_port()
-    with engine_env(tmp, 2, {"DELTASYNC_TEST_NO_LAYOUTS": "1"}, url=run.url,
+    with engine_env(tmp, 2, failpoints.env(failpoints.spec("no_layouts", 1)), url=run.url,
                     poll_interval_s=0.2, metrics_port=port):
         llm = make_llm(run.checkpoints[STEPS], 2, extension=True)
         try:

@@ -27,7 +27,7 @@ from typing import Any
 import pytest
 
 from examples.toymodel import build_model
-from vllm_deltasync import DeltaPublisher
+from vllm_deltasync import DeltaPublisher, failpoints
 
 from ..conftest import NO_PACKING, vllm_packs_bf16_linears
 from .conftest import (
@@ -65,7 +65,7 @@ def test_packed_kernels_follow_and_equal_a_stock_engine(
     prompts = long_prompts(3, seed=71)
     checkpoints: dict[int, Path] = {}
     outputs: dict[int, list[dict[str, Any]]] = {}
-    extra = {**bucket.worker_env, "DELTASYNC_TEST_FAIL_APPLY": f"1:{FAIL_STEP}:1"}
+    extra = {**bucket.worker_env, **failpoints.env(failpoints.spec("apply", "policy", 1, FAIL_STEP, 1))}
     with DeltaPublisher(bucket.url, anchor_every=4) as pub, \
             engine_env(tmp_path, tp, extra, url=bucket.url, poll_interval_s=0.2,
                        metrics_port=0, cpu_kernels="packed"):
