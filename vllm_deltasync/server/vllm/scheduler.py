@@ -12,8 +12,8 @@ only and without dropping the prefix cache.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
+from time import monotonic
 from typing import Any
 
 from vllm_deltasync.server.engine.kv import IDLE, NEW, OTHER, RUNNING
@@ -63,7 +63,7 @@ class SchedulerRequests:
         victims = [r for r in scheduler.running if id(r) in chosen]
         tokens = sum(int(r.num_computed_tokens) for r in victims)
         scheduler.running[:] = [r for r in scheduler.running if id(r) not in chosen]
-        now = time.monotonic()
+        now = monotonic()
         for request in reversed(victims):  # prepended in turn: the waiting queue keeps FIFO
             scheduler._preempt_request(request, now, drop_stale_output=True)
         scheduler.prev_step_scheduled_req_ids.difference_update(r.request_id for r in victims)

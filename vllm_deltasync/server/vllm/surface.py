@@ -143,10 +143,9 @@ SURFACE: tuple[Symbol, ...] = (
     Symbol(f"{_REQ}:RequestStatus.PREEMPTED", "read",
            "a started request holding no KV (re-salted when in_flight recomputes)",
            "the extension refuses", private=True),
-    Symbol(f"{_REQ}:RequestStatus.WAITING", "read", "a request not started (re-salted)",
-           "the extension refuses", private=True),
-    Symbol(f"{_REQ}:RequestStatus.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR", "read", "the same",
-           "the extension refuses", private=True),
+    *(Symbol(f"{_REQ}:RequestStatus.{name}", "read", "a request not started (re-salted)",
+             "the extension refuses", private=True)
+      for name in ("WAITING", "WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR")),
     Symbol(f"{_SCHED}.requests", "read", "every unfinished request, at a switch",
            "the extension refuses", attr=True, private=True),
     Symbol(f"{_SCHED}.running", "read",
