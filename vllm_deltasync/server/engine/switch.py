@@ -80,7 +80,7 @@ class Failpoint:
         if self.step is not None and (model, step) == (self.model, self.step):
             self.step = None
             raise RuntimeError(f"failpoint switch: the {model}'s switch to step {step} fails "
-                               "between the ranks' apply and the prefix-cache reset")
+                               "between the ranks' apply and the engine core's part")
 
     def at_tick(self) -> None:
         if self.step is None and self.ticks > 0:
