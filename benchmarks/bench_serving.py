@@ -21,14 +21,17 @@ sequences. The prompts change from run to run (a follower must not reuse blocks 
 run's weights, where stock would), and the 16 prompts of a batch share their first half (a
 system prompt: hits within a version).
 
-Rounds: in each, every workload runs once on every engine in turn, the starting engine
-rotating from round to round, so that the drift of this shared machine's speed falls on all
-modes alike; the engine measured runs alone (the others are stopped, SIGSTOP), after a short
-untimed generation, and follows while it runs. Tokens/s: generated tokens over the run's wall
-time (prefill included), the median over the rounds, and its ratio to stock's. Recompute per
+Rounds: in each, every workload takes a turn on every engine, the starting engine rotating
+from round to round, so that the drift of this shared machine's speed falls on all modes
+alike; the engine measured runs alone (the others are stopped, SIGSTOP), after a short untimed
+generation, and follows while it runs: a turn runs the workload again and again (new prompts)
+for at least :data:`TURN_S` seconds, so switches land in it. Tokens/s: generated tokens over
+the turn's wall time (prefill included), the median over the rounds, and its ratio to
+stock's. Recompute per
 switch: the KV tokens of running requests computed again at each switch that landed during
 the timed runs (the engine's switch records). Hit rate: prompt tokens served from the prefix
-cache over prompt tokens (vLLM's ``num_cached_tokens``), 16-sequence workloads.
+cache over prompt tokens (vLLM's ``num_cached_tokens``), batched workloads whose shared half
+fills a KV block.
 
     .venv/bin/python benchmarks/bench_serving.py [--quick]
 """
@@ -58,7 +61,7 @@ from vllm_deltasync import DeltaPublisher
 MODEL: dict[str, Any] = {"hidden_size": 256, "num_layers": 4, "num_heads": 4, "num_kv_heads": 2,
                          "intermediate_size": 768, "vocab_size": 4096}
 MODES = ("stock", "keep_kv", "continue", "drain")
-STEPS = 60
+STEPS = 40
 DENSITY = 0.01
 INTERVAL_S = 3.0
 
@@ -68,17 +71,22 @@ class Workload:
     batch: int
     prompt: int
     generate: int
-    rounds: int
-    """Rounds it runs in (the long batch is the costliest: fewer)."""
 
     @property
     def name(self) -> str:
         return f"{self.batch} x {self.prompt + self.generate}"
 
 
-WORKLOADS = (Workload(1, 64, 64, 3), Workload(16, 64, 64, 3),
-             Workload(1, 1024, 1024, 2), Workload(16, 1024, 1024, 1))
-QUICK = (Workload(1, 64, 64, 1), Workload(16, 64, 64, 1), Workload(4, 256, 256, 1))
+WORKLOADS = (Workload(1, 64, 64), Workload(16, 64, 64), Workload(1, 1024, 1024),
+             Workload(16, 1024, 1024))
+QUICK = (Workload(1, 64, 64), Workload(16, 64, 64), Workload(4, 256, 256))
+ROUNDS = 2
+BLOCK = 128
+"""vLLM's KV block on the CPU build: a shared half shorter than this cannot hit."""
+TURN_S = 4.0
+"""An engine's turn runs its workload again (new prompts each time) until this long has
+passed, so that every turn sees switches land (the first release comes ``INTERVAL_S / 2``
+into the turn)."""
 
 
 class _Releaser:
@@ -106,12 +114,15 @@ class _Releaser:
         return True
 
     def start(self) -> None:
+        """Release one step ``interval_s / 2`` from now, then one every ``interval_s``."""
         self._stop.clear()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
-        while not self._stop.wait(self.interval_s):
+        wait = self.interval_s / 2
+        while not self._stop.wait(wait):
+            wait = self.interval_s
             if not self.release():
                 return
 
@@ -219,33 +230,39 @@ def _start(mode: str, model_dir: Path, source: Path, tmp: Path, max_len: int) ->
     return engine
 
 
-def _prompts(w: Workload, round_: int, vocab: int) -> list[dict[str, list[int]]]:
-    """This round's prompts of ``w``: new every round, the first half shared by the batch."""
-    rng = random.Random(f"{w.name}/{round_}")
+def _prompts(w: Workload, run: str, vocab: int) -> list[dict[str, list[int]]]:
+    """The prompts of run ``run`` of ``w``: new every run, the first half shared by the batch."""
+    rng = random.Random(f"{w.name}/{run}")
     shared = [rng.randrange(100, vocab - 100) for _ in range(w.prompt // 2)]
     return [{"prompt_token_ids": shared + [rng.randrange(100, vocab - 100)
                                            for _ in range(w.prompt - len(shared))]}
             for _ in range(w.batch)]
 
 
-def _run(engine: _Engine, w: Workload, prompts: list[dict[str, list[int]]]) -> None:
-    """One timed run of ``w`` on ``engine`` (its rate and, batched, its hit rate)."""
+def _turn(engine: _Engine, w: Workload, round_: int, turn_s: float) -> None:
+    """One timed turn of ``w`` on ``engine``: runs with new prompts until ``turn_s`` passed;
+    its rate and, batched, its hit rate (the same prompts on every engine)."""
     from vllm import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=w.generate, ignore_eos=True)
-    t0 = time.perf_counter()
     started = time.time()
-    outs = engine.llm.generate(prompts, params, use_tqdm=False)
+    t0 = time.perf_counter()
+    runs = cached = 0
+    while runs == 0 or time.perf_counter() - t0 < turn_s:
+        outs = engine.llm.generate(_prompts(w, f"{round_}/{runs}", MODEL["vocab_size"]),
+                                   params, use_tqdm=False)
+        assert all(len(o.outputs[0].token_ids) == w.generate for o in outs)
+        cached += sum(o.num_cached_tokens or 0 for o in outs)
+        runs += 1
     seconds = time.perf_counter() - t0
     engine.windows.append((started, time.time()))
-    assert all(len(o.outputs[0].token_ids) == w.generate for o in outs)
-    engine.rates.setdefault(w.name, []).append(w.batch * w.generate / seconds)
-    if w.batch > 1:
-        cached = sum(o.num_cached_tokens or 0 for o in outs)
-        engine.hits.setdefault(w.name, []).append(cached / (w.batch * w.prompt))
+    engine.rates.setdefault(w.name, []).append(runs * w.batch * w.generate / seconds)
+    if w.batch > 1 and w.prompt // 2 >= BLOCK:
+        engine.hits.setdefault(w.name, []).append(cached / (runs * w.batch * w.prompt))
 
 
-def _measure(model_dir: Path, source: Path, tmp: Path, workloads: tuple[Workload, ...]) -> list[_Engine]:
+def _measure(model_dir: Path, source: Path, tmp: Path, workloads: tuple[Workload, ...],
+             rounds: int, turn_s: float) -> list[_Engine]:
     """Every mode's engine started first and kept alive, then the rounds (module doc)."""
     import cloudpickle
     from vllm import SamplingParams
@@ -258,16 +275,13 @@ def _measure(model_dir: Path, source: Path, tmp: Path, workloads: tuple[Workload
         for mode in MODES:
             engines.append(_start(mode, model_dir, source, tmp, max_len))
         warm = [{"prompt_token_ids": [101, 102, 103]}]
-        for round_ in range(max(w.rounds for w in workloads)):
+        for round_ in range(rounds):
             order = engines[round_ % len(engines):] + engines[:round_ % len(engines)]
             for w in workloads:
-                if round_ >= w.rounds:
-                    continue
-                prompts = _prompts(w, round_, MODEL["vocab_size"])
                 for engine in order:
                     with engine.turn():
                         engine.llm.generate(warm, SamplingParams(max_tokens=4), use_tqdm=False)
-                        _run(engine, w, prompts)
+                        _turn(engine, w, round_, turn_s)
                 print(f"bench_serving: round {round_} {w.name} done", file=sys.stderr)
         for engine in engines:
             if engine.releaser is not None:
@@ -289,7 +303,7 @@ def _median(values: list[float], fmt: str) -> str:
 
 def _table(rows: list[_Engine], workloads: tuple[Workload, ...]) -> list[str]:
     stock = rows[0]
-    batched = [w for w in workloads if w.batch > 1]
+    batched = [w for w in workloads if w.batch > 1 and w.prompt // 2 >= BLOCK]
     lines = [
         "| mode | " + " | ".join(f"{w.name}: tokens/s" for w in workloads)
         + " | switches in runs | recompute tokens / switch | "
@@ -314,7 +328,7 @@ def _table(rows: list[_Engine], workloads: tuple[Workload, ...]) -> list[str]:
 
 def run(quick: bool = False) -> str:
     """Markdown section: one row per mode."""
-    workloads = QUICK if quick else WORKLOADS
+    workloads, rounds, turn_s = (QUICK, 1, 2.0) if quick else (WORKLOADS, ROUNDS, TURN_S)
     with tempfile.TemporaryDirectory(prefix="bench-serving-") as tmp_name:
         tmp = Path(tmp_name)
         engine_env(tmp)
@@ -324,18 +338,18 @@ def run(quick: bool = False) -> str:
         params = sum(t.numel() for t in load_file(str(model_dir / "model.safetensors")).values())
         source = tmp / "source"
         _publish(model_dir, source, 16 if quick else STEPS)
-        rows = _measure(model_dir, source, tmp, workloads)
+        rows = _measure(model_dir, source, tmp, workloads, rounds, turn_s)
     lines = [
         "## serving: following throughput per in_flight mode vs stock vLLM (TP=1)",
         "",
         f"Llama {params / 1e6:.1f}M (hidden {MODEL['hidden_size']}, {MODEL['num_layers']} "
         f"layers). Each extension engine follows its bucket while it runs: a ~{DENSITY:.0%} "
-        f"delta every {INTERVAL_S:.0f} s. Workloads `batch x (prompt + generated)` tokens; "
-        "tokens/s generated (prefill included), the median over "
-        + ", ".join(f"{w.rounds} ({w.name})" for w in workloads)
-        + " interleaved rounds, and the ratio to stock. The four engines are alive together, "
-        "the starting engine rotating each round; the engine measured runs alone, the others "
-        "stopped (SIGSTOP).",
+        f"delta every {INTERVAL_S:.0f} s. Workloads `batch x (prompt + generated)` tokens, each "
+        f"turn of an engine running one again (new prompts) for at least {turn_s:.0f} s; "
+        f"tokens/s generated (prefill included), the median over {rounds} interleaved "
+        "rounds, and the ratio to stock. The four engines are alive together, the starting "
+        "engine rotating each round; the engine measured runs alone, the others stopped "
+        "(SIGSTOP).",
         "",
         *_table(rows, workloads),
         "",
@@ -346,7 +360,8 @@ def run(quick: bool = False) -> str:
         "prefix-cache blocks with the weights it runs on: hits only within a version, none of "
         "a switch's old blocks dropped. Switches in runs: the switches that landed during the "
         "timed runs. Hit rate: prompt tokens read from the prefix cache (the 16 prompts of a "
-        "batch share their first half; no prompt is reused across runs). This machine's two "
+        "batch share their first half; no prompt is reused across runs; the short prompts fill no "
+        "128-token block). This machine's two "
         "cores are shared and its speed drifts by up to ~15% over minutes.",
     ]
     return "\n".join(lines) + "\n"
