@@ -1,38 +1,37 @@
-"""Serving benchmark: decode throughput of a following engine on the CPU build, per kernel mode.
+"""Serving benchmark: decode throughput of a following engine per ``in_flight`` mode against
+stock vLLM (CPU build), the KV each switch computes again, the prefix-cache hit rate.
 
 Four engines, started first and alive together (one engine core process each), on the same
-model (an 87M-parameter Llama), the same prompts and the same bucket steps:
+model: **stock** (plain vLLM, no extension) and the extension with ``in_flight`` =
+**keep_kv** (the default), **continue** and **drain**, every request salted by the weights it
+runs on (``server/engine/kv.py``), the default CPU kernels (``packed``). The model is a small
+Llama, so that 2,048-token sequences fit this machine's time: what a switch costs in
+recompute grows with the context, and the decode of an 87M model on these two cores (50
+tokens/s at batch 16) would leave no time to measure it.
 
-* **stock**: plain vLLM, no extension (its packed CPU GEMM kernels);
-* **inplace** (``cpu_kernels="inplace"``): the extension, linear layers computing from their
-  parameters with ``torch.nn.functional.linear``, as on GPUs;
-* **packed** (``cpu_kernels="packed"``): the extension keeping vLLM's packed kernels and packing
-  again the layers each switch wrote (``server/worker/packed.py``);
-* **packed, no prefix reset**: the same with ``reset_prefix_cache=false``, so a switch does not
-  make the running requests compute their KV again (they keep old-weight KV for the tokens
-  before the switch): the share of the following cost that is the switch semantics, not the
-  kernels.
+Before the engines start, an anchor and :data:`STEPS` deltas (~1% of the elements flipped by
+1-3 bf16 ulps, as RL steps; REFERENCE §1) are published to a source bucket; each extension
+engine follows its own ``file://`` bucket, into which a thread releases one step's manifest
+every :data:`INTERVAL_S` seconds while that engine runs (the data files are copied
+beforehand: the publisher's encoding does not compete for the cores during the timed runs).
 
-Before the engines start, an anchor and ``STEPS`` deltas (~1% of the elements flipped by 1-3
-bf16 ulps, as RL steps; REFERENCE §1) are published to a source bucket; each engine gets its own
-``file://`` bucket (the extension's engines follow theirs), holding the anchor only until
-that engine's following phase. Workloads:
+Workloads (greedy, ``ignore_eos``): *short*, 64-token prompts generating 64 tokens (128 in
+all); *long*, 1,024-token prompts generating 1,024 (2,048 in all); each with 1 and 16
+sequences. The prompts change from run to run (a follower must not reuse blocks of an earlier
+run's weights, where stock would), and the 16 prompts of a batch share their first half (a
+system prompt: hits within a version).
 
-* one sequence, 256 greedy tokens; a batch of 16 sequences, 64 tokens each (``ignore_eos``).
-
-Quiet phase (nothing new to follow): ``QUIET_ROUNDS`` rounds; in each, every workload runs once on
-every engine in turn, the starting engine rotating from round to round (each mode takes every place in the order,
-twice), so that the drift of this shared machine's speed falls on all modes alike
-(median over the rounds). An engine's turn starts with a short untimed generation, so that its
-first timed run does not pay for caches the other engines' turns took. Following phase:
-one engine at a time: a thread releases one step's manifest into that engine's bucket every
-``INTERVAL_S`` seconds (the data files are copied beforehand, so the publisher's encoding does
-not compete for this machine's two cores during the timed runs) while each workload runs
-``RUNS`` times; the stock engine gets the same releases and follows nothing. The switches that
-landed meanwhile are read from its engine core (pause, repack time); it then switches to the
-steps released last, before the next engine's turn. In both phases the engine measured runs
-alone: the others are stopped (SIGSTOP) until their turn (idle engines still tick, and every
-engine's worker is bound to the same core).
+Rounds: in each, every workload takes a turn on every engine, the starting engine rotating
+from round to round, so that the drift of this shared machine's speed falls on all modes
+alike; the engine measured runs alone (the others are stopped, SIGSTOP), after a short untimed
+generation, and follows while it runs: a turn runs the workload again and again (new prompts)
+for at least :data:`TURN_S` seconds, so switches land in it. Tokens/s: generated tokens over
+the turn's wall time (prefill included), the median over the rounds, and its ratio to
+stock's. Recompute per
+switch: the KV tokens of running requests computed again at each switch that landed during
+the timed runs (the engine's switch records). Hit rate: prompt tokens served from the prefix
+cache over prompt tokens (vLLM's ``num_cached_tokens``), batched workloads whose shared half
+fills a KV block.
 
     .venv/bin/python benchmarks/bench_serving.py [--quick]
 """
@@ -42,6 +41,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import random
 import shutil
 import signal
 import statistics
@@ -50,39 +50,58 @@ import tempfile
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from benchmarks.bench_apply import _perturb, _proc_status, _wait_applied, engine_env
+from benchmarks.bench_apply import _perturb, _wait_applied, engine_env
 from examples.toymodel import build_model
 from vllm_deltasync import DeltaPublisher
 
-MODEL: dict[str, Any] = {"hidden_size": 768, "num_layers": 6, "num_heads": 12, "num_kv_heads": 4,
-                         "intermediate_size": 2048, "vocab_size": 32000}
-MODES = ("stock", "inplace", "packed", "packed, no prefix reset")
-STEPS = 16
+MODEL: dict[str, Any] = {"hidden_size": 256, "num_layers": 4, "num_heads": 4, "num_kv_heads": 2,
+                         "intermediate_size": 768, "vocab_size": 4096}
+MODES = ("stock", "keep_kv", "continue", "drain")
+STEPS = 40
 DENSITY = 0.01
 INTERVAL_S = 3.0
-RUNS = 3
-QUIET_ROUNDS = 6
-"""Quiet rounds, the starting engine rotating; single runs move by ~15% on this machine, the
-median of 8 interleaved runs of two engines of one mode agreed within ~4% (6 since 0.5, to keep
-``make bench`` near 20 minutes)."""
-WORKLOADS = {"1 x 256 tokens": (1, 256), "16 x 64 tokens": (16, 64)}
+
+
+@dataclass(frozen=True)
+class Workload:
+    batch: int
+    prompt: int
+    generate: int
+
+    @property
+    def name(self) -> str:
+        return f"{self.batch} x {self.prompt + self.generate}"
+
+
+WORKLOADS = (Workload(1, 64, 64), Workload(16, 64, 64), Workload(1, 1024, 1024),
+             Workload(16, 1024, 1024))
+QUICK = (Workload(1, 64, 64), Workload(16, 64, 64), Workload(4, 256, 256))
+ROUNDS = 2
+BLOCK = 128
+"""vLLM's KV block on the CPU build: a shared half shorter than this cannot hit."""
+TURN_S = 4.0
+"""An engine's turn runs its workload again (new prompts each time) until this long has
+passed, so that every turn sees switches land (the first release comes ``INTERVAL_S / 2``
+into the turn)."""
 
 
 class _Releaser:
-    """Releases the source bucket's manifests into the followed bucket, one per interval."""
+    """Releases the source bucket's manifests into the followed bucket, one per interval,
+    while started."""
 
     def __init__(self, source: Path, target: Path, interval_s: float) -> None:
         self.source, self.target, self.interval_s = source, target, interval_s
         shutil.copytree(source, target, ignore=shutil.ignore_patterns("manifests"))
         (target / "manifests").mkdir()
         self.pending = sorted((source / "manifests").iterdir())
-        self.last_step = -1  # the newest step released (manifests/<step>.json)
+        self.last_step = -1
         self.release()  # the anchor
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread: threading.Thread | None = None
 
     def release(self) -> bool:
         if not self.pending:
@@ -95,17 +114,23 @@ class _Releaser:
         return True
 
     def start(self) -> None:
+        """Release one step ``interval_s / 2`` from now, then one every ``interval_s``."""
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
-        while not self._stop.wait(self.interval_s):
+        wait = self.interval_s / 2
+        while not self._stop.wait(wait):
+            wait = self.interval_s
             if not self.release():
                 return
 
     def stop(self) -> None:
         self._stop.set()
-        if self._thread.is_alive():
+        if self._thread is not None:
             self._thread.join()
+            self._thread = None
 
 
 def _publish(model_dir: Path, bucket: Path, steps: int) -> None:
@@ -131,23 +156,18 @@ def _ppid(pid: int) -> int:
     raise LookupError(f"no PPid for process {pid}")
 
 
+@dataclass
 class _Engine:
-    """One mode's engine, alive from start to the end of the benchmark, and its bucket.
+    """One mode's engine, alive from start to the end, stopped while another one runs."""
 
-    Stopped (SIGSTOP) whenever another engine is measured, so that the one measured runs
-    alone as on a server: an idle extension engine still ticks (a status read every poll
-    interval, 0.2 s here; its poller lists the bucket), a few % of a core (the extension keeps
-    those reads from making vLLM's worker spin: ``server/vllm/worker.py`` ``quiet_status_reads``), and every engine's
-    worker is bound to the same core."""
-
-    def __init__(self, mode: str, llm: Any, releaser: _Releaser) -> None:
-        self.mode, self.llm, self.releaser = mode, llm, releaser
-        self.follows = mode != "stock"
-        self.rss = 0
-        self.pids: list[int] = []  # its engine core process, then its worker process
-        self.quiet: dict[str, list[float]] = {w: [] for w in WORKLOADS}
-        self.following: dict[str, list[float]] = {w: [] for w in WORKLOADS}
-        self.switches: list[dict[str, Any]] = []
+    mode: str
+    llm: Any
+    releaser: _Releaser | None
+    pids: list[int] = field(default_factory=list)
+    rates: dict[str, list[float]] = field(default_factory=dict)
+    hits: dict[str, list[float]] = field(default_factory=dict)
+    switches: list[dict[str, Any]] = field(default_factory=list)
+    windows: list[tuple[float, float]] = field(default_factory=list)
 
     def freeze(self) -> None:
         for pid in self.pids:
@@ -158,16 +178,24 @@ class _Engine:
             os.kill(pid, signal.SIGCONT)
 
     @contextlib.contextmanager
-    def running(self) -> Iterator[_Engine]:
-        """The engine running, the others stopped."""
+    def turn(self) -> Iterator[_Engine]:
+        """Running and following (its releaser on), the others stopped; afterwards the steps
+        released last are switched to (untimed) and it is stopped again."""
         self.thaw()
+        if self.releaser is not None:
+            self.releaser.start()
         try:
             yield self
         finally:
+            if self.releaser is not None:
+                self.releaser.stop()
+                with contextlib.suppress(TimeoutError):
+                    _wait_applied(self.llm, self.releaser.last_step, timeout_s=60)
             self.freeze()
 
     def shutdown(self) -> None:
-        self.releaser.stop()
+        if self.releaser is not None:
+            self.releaser.stop()
         with contextlib.suppress(Exception):
             self.thaw()
         with contextlib.suppress(Exception):
@@ -175,109 +203,132 @@ class _Engine:
         self.llm = None
 
 
-def _start(mode: str, model_dir: Path, source: Path, tmp: Path) -> _Engine:
-    """The engine of ``mode``, following its own bucket (``bucket-{mode}``, the anchor only).
-    The extension reads its ``VLLM_DELTASYNC_*`` settings when the engine starts."""
+def _start(mode: str, model_dir: Path, source: Path, tmp: Path, max_len: int) -> _Engine:
+    """The engine of ``mode``; an extension engine follows its own bucket (the anchor only,
+    until its turns). The extension reads its ``VLLM_DELTASYNC_*`` settings at start."""
     from vllm import LLM
 
-    bucket = tmp / f"bucket-{mode}"
-    releaser = _Releaser(source, bucket, INTERVAL_S)
+    releaser = None
     kw: dict[str, Any] = {}
     if mode != "stock":
-        os.environ.update({
-            "VLLM_DELTASYNC_URL": f"file://{bucket}",
-            "VLLM_DELTASYNC_POLL_INTERVAL_S": "0.2",
-            "VLLM_DELTASYNC_METRICS_PORT": "0",
-            "VLLM_DELTASYNC_CPU_KERNELS": "inplace" if mode == "inplace" else "packed",
-            "VLLM_DELTASYNC_RESET_PREFIX_CACHE": str("no prefix reset" not in mode)})
+        releaser = _Releaser(source, tmp / f"bucket-{mode}", INTERVAL_S)
+        os.environ.update({"VLLM_DELTASYNC_URL": f"file://{tmp}/bucket-{mode}",
+                           "VLLM_DELTASYNC_POLL_INTERVAL_S": "0.2",
+                           "VLLM_DELTASYNC_METRICS_PORT": "0",
+                           "VLLM_DELTASYNC_IN_FLIGHT": mode})
         kw["worker_extension_cls"] = "vllm_deltasync.DeltaSyncExtension"
-    try:
-        llm = LLM(model=str(model_dir), enforce_eager=True, max_model_len=512,
-                  dtype="bfloat16", seed=0, max_num_seqs=16, **kw)
-    except BaseException:
-        releaser.stop()
-        raise
-    return _Engine(mode, llm, releaser)
+    llm = LLM(model=str(model_dir), enforce_eager=True, max_model_len=max_len, dtype="bfloat16",
+              seed=0, max_num_seqs=16, enable_prefix_caching=True, **kw)
+    engine = _Engine(mode, llm, releaser)
+    if releaser is not None:
+        _wait_applied(llm, 0)
+    worker = llm.collective_rpc(_worker_pid)[0]
+    core = _ppid(worker)
+    assert _ppid(core) == os.getpid(), (worker, core)
+    engine.pids = [core, worker]
+    engine.freeze()
+    return engine
 
 
-def _generate(engine: _Engine, prompts: list[Any], workload: str) -> float:
-    """Seconds for one run of ``workload`` on ``engine``."""
+def _prompts(w: Workload, run: str, vocab: int) -> list[dict[str, list[int]]]:
+    """The prompts of run ``run`` of ``w``: new every run, the first half shared by the batch."""
+    rng = random.Random(f"{w.name}/{run}")
+    shared = [rng.randrange(100, vocab - 100) for _ in range(w.prompt // 2)]
+    return [{"prompt_token_ids": shared + [rng.randrange(100, vocab - 100)
+                                           for _ in range(w.prompt - len(shared))]}
+            for _ in range(w.batch)]
+
+
+def _turn(engine: _Engine, w: Workload, round_: int, turn_s: float) -> None:
+    """One timed turn of ``w`` on ``engine``: runs with new prompts until ``turn_s`` passed;
+    its rate and, batched, its hit rate (the same prompts on every engine)."""
     from vllm import SamplingParams
 
-    batch, tokens = WORKLOADS[workload]
-    params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=w.generate, ignore_eos=True)
+    started = time.time()
     t0 = time.perf_counter()
-    outs = engine.llm.generate(prompts[:batch], params, use_tqdm=False)
+    runs = cached = 0
+    while runs == 0 or time.perf_counter() - t0 < turn_s:
+        outs = engine.llm.generate(_prompts(w, f"{round_}/{runs}", MODEL["vocab_size"]),
+                                   params, use_tqdm=False)
+        assert all(len(o.outputs[0].token_ids) == w.generate for o in outs)
+        cached += sum(o.num_cached_tokens or 0 for o in outs)
+        runs += 1
     seconds = time.perf_counter() - t0
-    assert all(len(o.outputs[0].token_ids) == tokens for o in outs)
-    return seconds
+    engine.windows.append((started, time.time()))
+    engine.rates.setdefault(w.name, []).append(runs * w.batch * w.generate / seconds)
+    if w.batch > 1 and w.prompt // 2 >= BLOCK:
+        engine.hits.setdefault(w.name, []).append(cached / (runs * w.batch * w.prompt))
 
 
-def _measure(model_dir: Path, source: Path, tmp: Path, runs: int, quiet_rounds: int) -> list[_Engine]:
-    """Every mode's engine started first and kept alive; the quiet phase round-robin over
-    them (the starting mode rotating each round), then the following phase one mode at a
-    time (only that mode's bucket receives steps); the engine measured runs alone, the others
-    stopped."""
+def _measure(model_dir: Path, source: Path, tmp: Path, workloads: tuple[Workload, ...],
+             rounds: int, turn_s: float) -> list[_Engine]:
+    """Every mode's engine started first and kept alive, then the rounds (module doc)."""
     import cloudpickle
     from vllm import SamplingParams
 
     cloudpickle.register_pickle_by_value(sys.modules[__name__])
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # _worker_pid (bench only)
-    prompts = [{"prompt_token_ids": [(7 * i + 13 * j) % 31000 + 100 for j in range(24)]}
-               for i in range(16)]
+    max_len = max(w.prompt + w.generate for w in workloads) + 16
     engines: list[_Engine] = []
     try:
         for mode in MODES:
-            engine = _start(mode, model_dir, source, tmp)
-            engines.append(engine)
-            if engine.follows:
-                _wait_applied(engine.llm, 0)
-            worker = engine.llm.collective_rpc(_worker_pid)[0]
-            engine.rss = _proc_status("VmRSS", worker)
-            engine.llm.generate(prompts[:2], SamplingParams(max_tokens=8), use_tqdm=False)
-            core = _ppid(worker)
-            assert _ppid(core) == os.getpid(), (worker, core)
-            engine.pids = [core, worker]
-            engine.freeze()
-
-        for round_ in range(quiet_rounds):  # quiet: following, no new step
+            engines.append(_start(mode, model_dir, source, tmp, max_len))
+        warm = [{"prompt_token_ids": [101, 102, 103]}]
+        for round_ in range(rounds):
             order = engines[round_ % len(engines):] + engines[:round_ % len(engines)]
-            for workload in WORKLOADS:
+            for w in workloads:
                 for engine in order:
-                    with engine.running():
-                        engine.llm.generate(prompts[:1], SamplingParams(max_tokens=4), use_tqdm=False)
-                        engine.quiet[workload].append(_generate(engine, prompts, workload))
-
-        for engine in engines:  # following: only this engine's bucket receives steps
-            with engine.running():
-                engine.releaser.start()
-                for _ in range(runs):
-                    for workload in WORKLOADS:
-                        engine.following[workload].append(_generate(engine, prompts, workload))
-                engine.releaser.stop()
-                if not engine.follows:
-                    continue
+                    with engine.turn():
+                        engine.llm.generate(warm, SamplingParams(max_tokens=4), use_tqdm=False)
+                        _turn(engine, w, round_, turn_s)
+                print(f"bench_serving: round {round_} {w.name} done", file=sys.stderr)
+        for engine in engines:
+            if engine.releaser is not None:
+                engine.thaw()
                 status = engine.llm.llm_engine.engine_core.call_utility(
                     "deltasync_engine_status")
-                engine.switches = [s for s in status["switches"] if s["step"] > 0]
-                # the steps released last are staged and switched to now, in its own turn
-                try:
-                    _wait_applied(engine.llm, engine.releaser.last_step)
-                except TimeoutError as exc:
-                    print(f"bench_serving: {engine.mode}: {exc}", file=sys.stderr)
+                engine.freeze()
+                engine.switches = [s for s in status["switches"] if s["step"] > 0 and any(
+                    a <= s["at"] <= b for a, b in engine.windows)]
     finally:
         for engine in engines:
             engine.shutdown()
     return engines
 
 
-def _ms(values: list[float]) -> str:
-    return f"{statistics.median(values) * 1e3:.0f} ms" if values else "-"
+def _median(values: list[float], fmt: str) -> str:
+    return format(statistics.median(values), fmt) if values else "-"
+
+
+def _table(rows: list[_Engine], workloads: tuple[Workload, ...]) -> list[str]:
+    stock = rows[0]
+    batched = [w for w in workloads if w.batch > 1 and w.prompt // 2 >= BLOCK]
+    lines = [
+        "| mode | " + " | ".join(f"{w.name}: tokens/s" for w in workloads)
+        + " | switches in runs | recompute tokens / switch | "
+        + " | ".join(f"hit rate {w.name}" for w in batched) + " |",
+        "|---|" + "---|" * (len(workloads) + 2 + len(batched)),
+    ]
+    for r in rows:
+        cells = []
+        for w in workloads:
+            rate, base = (statistics.median(x.rates[w.name]) for x in (r, stock))
+            cells.append(f"{rate:.0f} ({rate / base:.2f})")
+        sw = r.switches
+        recompute = (f"{statistics.mean(s['recompute_tokens'] for s in sw):.0f}" if sw
+                     else "-")
+        lines.append(
+            f"| {r.mode} | " + " | ".join(cells)
+            + f" | {len(sw) if r.releaser is not None else '- (follows nothing)'}"
+            + f" | {recompute if r.releaser is not None else '-'} | "
+            + " | ".join(_median(r.hits.get(w.name, []), ".2f") for w in batched) + " |")
+    return lines
 
 
 def run(quick: bool = False) -> str:
     """Markdown section: one row per mode."""
-    runs = 1 if quick else RUNS
+    workloads, rounds, turn_s = (QUICK, 1, 2.0) if quick else (WORKLOADS, ROUNDS, TURN_S)
     with tempfile.TemporaryDirectory(prefix="bench-serving-") as tmp_name:
         tmp = Path(tmp_name)
         engine_env(tmp)
@@ -286,64 +337,40 @@ def run(quick: bool = False) -> str:
 
         params = sum(t.numel() for t in load_file(str(model_dir / "model.safetensors")).values())
         source = tmp / "source"
-        _publish(model_dir, source, STEPS)
-        rows = _measure(model_dir, source, tmp, runs, 1 if quick else QUIET_ROUNDS)
-    stock = rows[0]
-    phases = ("quiet", "following")
+        _publish(model_dir, source, 16 if quick else STEPS)
+        rows = _measure(model_dir, source, tmp, workloads, rounds, turn_s)
     lines = [
-        "## serving: decode throughput per CPU kernel mode, quiet and following (TP=1)",
+        "## serving: following throughput per in_flight mode vs stock vLLM (TP=1)",
         "",
-        f"Llama {params / 1e6:.0f}M. Quiet: the bucket publishes nothing new. Following: a ~"
-        f"{DENSITY:.0%} delta is released every {INTERVAL_S:.0f} s while decoding. Median of "
-        f"{1 if quick else QUIET_ROUNDS} (quiet) / {runs} (following) runs per workload; "
-        "tokens/s and the ratio to stock. The four "
-        "engines are alive together: the quiet phase interleaves them (round-robin: each "
-        "workload runs once on every engine in turn, the starting engine rotating each round, "
-        "a short untimed generation first), "
-        "the following phase runs one mode at a time; the engine measured runs alone, the "
-        "others stopped (SIGSTOP).",
+        f"Llama {params / 1e6:.1f}M (hidden {MODEL['hidden_size']}, {MODEL['num_layers']} "
+        f"layers). Each extension engine follows its bucket while it runs: a ~{DENSITY:.0%} "
+        f"delta every {INTERVAL_S:.0f} s. Workloads `batch x (prompt + generated)` tokens, each "
+        f"turn of an engine running one again (new prompts) for at least {turn_s:.0f} s; "
+        f"tokens/s generated (prefill included), the median over {rounds} interleaved "
+        "rounds, and the ratio to stock. The four engines are alive together, the starting "
+        "engine rotating each round; the engine measured runs alone, the others stopped "
+        "(SIGSTOP).",
         "",
-        "| mode | " + " | ".join(f"{w}, {ph}" for w in WORKLOADS for ph in phases)
-        + " | switches while following | pause (median) | of which repack | worker RSS |",
-        "|---|" + "---|" * (len(WORKLOADS) * len(phases)) + "---|---|---|---|",
-    ]
-    for r in rows:
-        cells = []
-        for name, (batch, tokens) in WORKLOADS.items():
-            for ph in phases:
-                rate = batch * tokens / statistics.median(getattr(r, ph)[name])
-                base = batch * tokens / statistics.median(getattr(stock, ph)[name])
-                cells.append(f"{rate:.0f} ({rate / base:.2f})")
-        sw = r.switches
-        repack = [max(s.get("repack_s") or [0.0]) for s in sw]
-        lines.append(
-            f"| {r.mode} | " + " | ".join(cells)
-            + f" | {len(sw) if r.follows else '- (follows nothing)'}"
-            f" | {_ms([s['pause_s'] for s in sw])}"
-            f" | {_ms(repack) if r.mode.startswith('packed') else '-'}"
-            f" | {r.rss / 2**20:.0f} MiB |"
-        )
-    lines += [
+        *_table(rows, workloads),
         "",
-        "Stock: vLLM without the extension (the steps are released but nothing follows them). "
-        "Pause: the engine core's switch time between two batches. Every switch "
-        "also resets the prefix cache with the running requests (`reset_prefix_cache`), so "
-        "in-flight sequences are computed again on the new weights: that, the pause and the "
-        "rank's staging work (download, verify, decode on the same two cores) are the "
-        "following phase's cost in either mode; the last row leaves out the recomputation. "
-        "Repack: what the switch itself spent installing the new kernels (packed ahead on the "
-        "poller thread when the engine held the delta's base). Worker RSS after start: the "
-        "packed mode keeps each linear weight next to its packed copy. This machine's two cores "
-        "are shared and its speed drifts by up to ~15% over minutes: the interleaved quiet "
-        "phase exposes every mode to the same drift, while the following phase, one mode "
-        "after another, can move by that much between runs.",
+        "keep_kv: running requests continue on the new weights from the KV computed so far; "
+        "continue: they are preempted and compute their KV again on the new weights (the "
+        "recompute tokens); drain: new requests wait until the running ones finish, then the "
+        "step applies (its switches fall between runs). Every mode salts each request's "
+        "prefix-cache blocks with the weights it runs on: hits only within a version, none of "
+        "a switch's old blocks dropped. Switches in runs: the switches that landed during the "
+        "timed runs. Hit rate: prompt tokens read from the prefix cache (the 16 prompts of a "
+        "batch share their first half; no prompt is reused across runs; the short prompts fill no "
+        "128-token block). This machine's two "
+        "cores are shared and its speed drifts by up to ~15% over minutes.",
     ]
     return "\n".join(lines) + "\n"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="one run per workload")
+    parser.add_argument("--quick", action="store_true",
+                        help="short workloads and a 512-token batch of 4, one round")
     print(run(quick=parser.parse_args().quick))
 
 

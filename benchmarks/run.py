@@ -30,7 +30,7 @@ BENCHMARKS = {
     "codec": "bytes per changed element and per step (v1, v2, v3; payload and all bytes), dense fallback, encode/decode vs memcpy, GPU apply",
     "publisher": "publish() and upload cost per training step, bytes per step; publish() and publish -> committed against the snapshot floor",
     "apply": "engine pause per delta vs full reload_weights; peak extra host memory vs delta size",
-    "serving": "decode throughput per CPU kernel mode (stock vLLM, inplace, packed), quiet and while following a step every 3 s; switch pause and repack time",
+    "serving": "following throughput per in_flight mode (keep_kv, continue, drain) against stock vLLM, short and long sequences at batch 1 and 16, a ~1% step every 3 s; recompute tokens per switch, prefix-cache hit rate",
     "peers": "our scatter vs vLLM's load_checkpoint_weight_patches and reload_weights on one engine, at ~0.5% and ~3%, and the memory floor",
     "download": "download throughput vs plain parallel GET",
     "moe": "per-expert cost: shard map build with learned CPU MoE layouts, one step's apply, layout memory",

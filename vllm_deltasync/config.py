@@ -103,17 +103,29 @@ class SyncConfig:
     it at that step). Deltas then apply on it directly, without downloading an anchor first.
     None (``none``), or a step from 0 to 10**12 - 1 (a step's twelve digits)."""
 
-    in_flight: InFlight = _opt("continue", Rule("choice", choices=("continue", "drain", "keep_kv")))
-    """What running requests do at a switch. ``continue``: they keep generating on the new
-    weights from the next batch on (their output carries both versions in ``weight_versions``).
-    ``drain``: new requests are held back until running ones finish, then the step applies.
-    ``keep_kv``: a contract for the coming in-flight mode that keeps running requests' KV
-    cache across a switch; accepted and validated now, and until that mode lands the server
-    treats it as ``continue``."""
+    in_flight: InFlight = _opt("keep_kv", Rule("choice", choices=("continue", "drain", "keep_kv")))
+    """What requests running at a switch do (``server/engine/kv.py``; docs/extension.md,
+    "Switch semantics"). Whatever the mode, every request admitted after a switch is salted by
+    the new weights' identity, so it never reuses prefix-cache blocks of other weights.
+    ``keep_kv`` (default): they go on generating on the new weights from the next batch, from
+    the KV cache computed so far (nothing is recomputed; the blocks they fill are never reused
+    by a request of the new version). ``continue``: they go on on the new weights too, but are
+    preempted and compute their whole KV cache again on them first (what vLLM's
+    ``reset_prefix_cache(reset_running_requests=True)`` does, for these requests only): their
+    remaining tokens are exactly what the new weights give for that prefix, at the cost of
+    recomputing every running sequence at every switch. Either way their output carries both
+    versions in ``weight_versions``, which say where the switch fell. ``drain``: new requests
+    are held back until running ones finish (at most ``max_drain_wait_s``, after which the
+    ones left are recomputed as with ``continue``), then the step applies."""
 
     reset_prefix_cache: bool = _opt(True, Rule("bool"))
-    """Drop the prefix cache at each switch, so KV blocks computed with old weights never serve a
-    new request. ``False`` keeps them (faster, but outputs mix versions)."""
+    """Deprecated (0.4): no switch drops the prefix cache any more. Every request is salted by
+    the weights it runs on, so a request admitted after a switch never reuses blocks of other
+    weights whatever this says, and blocks of older versions age out under vLLM's LRU.
+    ``false`` keeps what else it did: running requests keep the KV computed so far in every
+    ``in_flight`` mode (say ``in_flight=keep_kv`` instead), and a failed switch or a reload
+    behind our back leaves the cache in place (the salt suffices). ``true`` (default): a
+    failed switch or a reload also drops the prefix cache with the running requests."""
 
     max_chain: int = _opt(64, Rule("int", 1, 100_000))
     """Longest delta chain followed before jumping to the newest anchor instead. From 1 to

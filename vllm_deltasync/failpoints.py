@@ -9,7 +9,7 @@ the package import or run code it names.
 Every failpoint the package knows, its arguments, and where it fires:
 
 ``switch=<step>/<ticks>`` (engine core): the policy's switch to ``step`` raises after every
-rank applied it and before the prefix-cache reset (once per process), then the next ``ticks``
+rank applied it and before the engine core's part (requests' KV, weight version) (once per process), then the next ``ticks``
 ticks raise at their start (a fault that persists).
 
 ``apply_rpc=<model>/<rank>/<step>[/dirty]`` (worker): that rank's ``deltasync_apply`` of that

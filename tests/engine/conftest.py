@@ -250,19 +250,29 @@ def long_prompts(n: int = 3, words: int = 160, seed: int = 0) -> list[str]:
     return [" ".join(rng.choice(vocab) for _ in range(words)) for _ in range(n)]
 
 
-def generate(llm: Any, prompts: list[str]) -> list[dict[str, Any]]:
-    """Greedy continuation and prompt logprobs (what must match a fresh engine)."""
+def generate(llm: Any, prompts: list[Any]) -> list[dict[str, Any]]:
+    """Greedy continuation with its tokens' logprobs (``logprobs``; this request reads the
+    prefix cache: ``cached`` is vLLM's ``num_cached_tokens``), and prompt logprobs (a request
+    that never reads the cache): what must match a fresh engine. ``prompts``: strings, or
+    vLLM prompt dicts (``{"prompt_token_ids": [...]}``)."""
     from vllm import SamplingParams
 
-    greedy = SamplingParams(temperature=0.0, max_tokens=12)
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, logprobs=0)
     plp = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
     out = []
     for g, p in zip(llm.generate(prompts, greedy, use_tqdm=False),
                     llm.generate(prompts, plp, use_tqdm=False), strict=True):
         lps = [next(iter(d.values())).logprob for d in p.prompt_logprobs[1:]]
         out.append({"tokens": list(g.outputs[0].token_ids), "prompt_logprobs": lps,
+                    "logprobs": token_logprobs(g.outputs[0]), "cached": g.num_cached_tokens,
                     "weight_versions": g.outputs[0].weight_versions})
     return out
+
+
+def token_logprobs(completion: Any) -> list[float]:
+    """The logprob of each sampled token of a vLLM ``CompletionOutput`` (``logprobs=0``)."""
+    return [lp[tok].logprob for tok, lp in zip(completion.token_ids, completion.logprobs,
+                                               strict=True)]
 
 
 # -- the OpenAI-compatible API server, as a user starts it --------------------------------------

@@ -6,8 +6,9 @@ its environment variables there, binds the process's threads to the OMP cores, a
 loaded module while registering kernels (it trips over Flask's context proxies that moto's
 server leaves in the test process). So the engine runs in a fresh process, as a user's would;
 the test checks what it reports. OUT receives JSON: the rank's pid, the digests check per step,
-outputs at step 0 and the last step (weight versions as strings), the engine core's status and
-the last step's checkpoint.
+outputs at step 0 and the last step (weight versions as strings), the engine core's status,
+the last step's checkpoint, and the prefix-cache hits of each step's first serving and of the
+last step's second (``num_cached_tokens``).
 """
 
 from __future__ import annotations
@@ -65,6 +66,8 @@ def follow(tmp: Path) -> dict[str, Any]:
                 want = {n: sha256_hex(t) for n, t in trainer.named_tensors()}
                 out["digests_equal"][step] = live == want
                 outputs[step] = generate(llm, prompts)
+            out["cached"] = {s: [o["cached"] for o in outputs[s]] for s in outputs}
+            out["cached_again"] = [o["cached"] for o in generate(llm, prompts)]
             status = core.deltasync_engine_status()
             out["ckpt"] = str(trainer.save(tmp / f"ckpt-{STEPS}"))
         finally:
@@ -72,6 +75,7 @@ def follow(tmp: Path) -> dict[str, Any]:
     out["status"] = {"active": status["active"], "weight_version": status["weight_version"],
                      "switches": [s["step"] for s in status["switches"]]}
     out["outputs"] = {str(s): [{"tokens": o["tokens"], "prompt_logprobs": o["prompt_logprobs"],
+                                "logprobs": o["logprobs"],
                                 "versions": [v.version for v in o["weight_versions"] or ()]}
                                for o in outputs[s]] for s in (0, STEPS)}
     return out

@@ -8,9 +8,12 @@ position by position across ranks, and start and end must be equal within each s
 Switches are placed deterministically, not by timing: with the test-only
 failpoint ``switch_every_steps`` the coordinator starts a switch only from a tick the engine
 runs after every few model steps, so each step staged before a batch is switched to inside that
-batch. Both ways of treating requests in flight run: ``continue`` (the default: running
-requests go on with the new weights, so some request spans two versions) and ``drain`` (the
-switch waits until running requests finish and holds new ones, so no request spans two).
+batch. Every way of treating requests in flight runs: ``keep_kv`` (the default: running
+requests go on with the new weights from the KV they computed, so some request spans two
+versions and the switch recomputes nothing), ``continue`` (the same spans, every running
+request's KV computed again on the new weights: the switch records say how many and how many
+tokens) and ``drain`` (the switch waits until running requests finish and holds new ones, so no
+request spans two and nothing is kept or recomputed).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from .conftest import (
     Trainer,
     close_llm,
     engine_env,
+    engine_status,
     make_llm,
     requires_vllm,
     wait_applied,
@@ -39,7 +43,7 @@ EVERY = 6  # model steps between switch ticks: a batch of 24 tokens runs 24 mode
 
 @requires_vllm
 @pytest.mark.engine
-@pytest.mark.parametrize("in_flight", ["continue", "drain"])
+@pytest.mark.parametrize("in_flight", ["keep_kv", "continue", "drain"])
 def test_no_model_step_mixes_versions_across_or_within_ranks(tmp_path: Path, in_flight: str) -> None:
     from vllm import SamplingParams
 
@@ -68,6 +72,7 @@ def test_no_model_step_mixes_versions_across_or_within_ranks(tmp_path: Path, in_
                 wait_applied(llm, step)  # the switch happened inside that batch
             outputs.extend(llm.generate(prompts, params, use_tqdm=False))
             traces = llm.collective_rpc("deltasync_trace")
+            switches = [r for r in engine_status(llm)["switches"] if r["step"] > 0]
         finally:
             close_llm(llm)
 
@@ -80,7 +85,15 @@ def test_no_model_step_mixes_versions_across_or_within_ranks(tmp_path: Path, in_
     assert sorted(set(versions_with_tokens)) == [-1, *range(STEPS + 1)], "a switch was missed"
     assert versions_with_tokens[-1] == STEPS
     crossed = [o for o in outputs if len({s.version for s in o.outputs[0].weight_versions}) > 1]
-    if in_flight == "continue":  # every switch landed inside running requests
-        assert len(crossed) >= STEPS + 1, "a switch did not land inside the batch"
-    else:
+    assert [r["step"] for r in switches] == list(range(1, STEPS + 1))
+    assert {r["in_flight"] for r in switches} == {in_flight}
+    if in_flight == "drain":
         assert not crossed, "drain: a request ran on two versions"
+        assert all(r["kept"] == r["recomputed"] == 0 for r in switches), switches
+        return
+    assert len(crossed) >= STEPS + 1, "a switch did not land inside the batch"  # each of them
+    if in_flight == "keep_kv":
+        assert all(r["kept"] == len(prompts) and r["recompute_tokens"] == 0 for r in switches)
+    else:
+        assert all(r["recomputed"] == len(prompts) and r["kept"] == 0
+                   and r["recompute_tokens"] > 0 for r in switches), switches

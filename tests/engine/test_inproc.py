@@ -6,7 +6,8 @@ the engine core is built and ticks before the client's steps and ``collective_rp
 most once per poll interval). The trainer publishes 3 real AdamW bf16 steps; after each the
 live weights equal the trainer's bit for bit, and at the last step greedy tokens and prompt
 logprobs equal a fresh stock engine's on that step's checkpoint (prompts the engine had served
-at every earlier step, so stale prefix-cache blocks would show).
+at every earlier step: each step's first serving reads none of the earlier steps' blocks, which
+are salted by other weights, and the second hits the step's own).
 
 The engine runs in a fresh process (``tests/engine/inproc_follow.py``): an in-process engine
 changes the process that holds it for good (frozen vLLM environment variables, threads bound
@@ -53,3 +54,8 @@ def test_inprocess_engine_follows_bucket(tmp_path: Path, fresh_outputs: FreshOut
     for i, (mine, ref) in enumerate(zip(last, reference, strict=True)):
         assert mine["tokens"] == ref["tokens"], f"prompt {i}: greedy tokens differ"
         assert mine["prompt_logprobs"] == ref["prompt_logprobs"], f"prompt {i}: prompt logprobs differ"
+        assert mine["logprobs"] == ref["logprobs"], f"prompt {i}: token logprobs differ"
+    # each step's first serving reads no block of the step before (the caller's thread salts
+    # each request as it adds it); the same prompts again hit the step's own blocks
+    assert all(c == 0 for step, hits in got["cached"].items() if step != "0" for c in hits)
+    assert all(c > 0 for c in got["cached_again"]), got["cached_again"]

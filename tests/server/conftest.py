@@ -152,6 +152,8 @@ class FakeEngine:
         self.prefix_resets = 0
         self.broadcast_fail: dict[str, BaseException] = {}
         """method -> raised after every rank ran it (a timeout that came late)."""
+        self.fail_version = False
+        """The next ``set_weight_version`` raises (the engine core's part of a switch fails)."""
 
     def collective_rpc(self, method: str, timeout: float | None = None, args: tuple[Any, ...] = (),
                        kwargs: dict[str, Any] | None = None) -> list[Any]:
@@ -175,6 +177,9 @@ class FakeEngine:
         return True
 
     def set_weight_version(self, version: str) -> None:
+        if self.fail_version:
+            self.fail_version = False
+            raise RuntimeError("set_weight_version failed")
         self.version = version
 
     def get_weight_version(self) -> str:
@@ -203,9 +208,60 @@ def once(exc: BaseException) -> Callable[[], None]:
 
 
 def make_coordinator(ranks: list[FakeRank], *, trainer_driven: bool = False,
-                     **config: Any) -> tuple[Coordinator, FakeEngine]:
+                     requests: Any = None, **config: Any) -> tuple[Coordinator, FakeEngine]:
+    """``requests``: a :class:`FakeScheduler` the coordinator salts (None: nothing salted)."""
     engine = FakeEngine(ranks)
     coord = Coordinator(engine, SyncConfig(url="file:///tmp/bucket", metrics_port=0, **config),
-                        wake=None, trainer_driven=trainer_driven)
+                        wake=None, trainer_driven=trainer_driven, requests=requests)
     coord.active = True
     return coord, engine
+
+
+class FakeRequest:
+    """A stand-in of vLLM's ``Request`` as ``server/engine/kv.py`` sees it."""
+
+    def __init__(self, rid: str, state: str, salt: str | None, adapter: str | None) -> None:
+        self.rid, self.state, self.salt, self.adapter = rid, state, salt, adapter
+        self.computed = 0
+
+
+class FakeScheduler:
+    """A stand-in of vLLM's scheduler through the ``Requests`` protocol of
+    ``server/engine/kv.py`` (``server/vllm/scheduler.py`` is the real one): requests by id in
+    admission order, a running one preempted becomes idle."""
+
+    def __init__(self) -> None:
+        self.requests: dict[str, FakeRequest] = {}
+        self.preempted: list[str] = []
+        self.rehashed: list[str] = []
+
+    @staticmethod
+    def make(rid: str, state: str, salt: str | None, adapter: str | None) -> FakeRequest:
+        return FakeRequest(rid, state, salt, adapter)
+
+    def add(self, rid: str, state: str, salt: str | None, adapter: str | None) -> FakeRequest:
+        self.requests[rid] = self.make(rid, state, salt, adapter)
+        return self.requests[rid]
+
+    def unfinished(self) -> list[Any]:
+        return list(self.requests.values())
+
+    def state(self, request: FakeRequest) -> str:
+        return request.state
+
+    def salt(self, request: FakeRequest) -> str | None:
+        return request.salt
+
+    def adapter(self, request: FakeRequest) -> str | None:
+        return request.adapter
+
+    def resalt(self, request: FakeRequest, salt: str | None) -> None:
+        request.salt = salt
+        self.rehashed.append(request.rid)
+
+    def preempt(self, requests: Any) -> int:
+        for r in requests:
+            assert r.state == "running", r.rid
+            r.state = "idle"
+            self.preempted.append(r.rid)
+        return sum(r.computed for r in requests)

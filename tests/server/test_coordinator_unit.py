@@ -269,7 +269,8 @@ def test_the_drafter_and_the_policy_switch_in_one_tick_through_one_switch() -> N
     coord.tick()
     assert consistent(engine, "policy") == consistent(engine, "drafter") == {(3, 3)}
     assert engine.calls.count("deltasync_apply") == 2 and engine.version == "3"
-    assert engine.prefix_resets == 1  # the policy's switch only
+    assert engine.prefix_resets == 0  # no switch drops the prefix cache: requests are salted
+    assert coord.kv.identities == {"policy": "sha256:3"}  # by the policy only, not the drafter
     status = coord.engine_status()
     assert status["drafter"]["switches"][-1]["step"] == 3 and status["switches"][-1]["step"] == 3
 

@@ -49,7 +49,8 @@ def test_update_switches_every_rank_then_the_same_step_is_a_no_op() -> None:
     out = coord.update_to(3, "sha256:3")
     assert out["switched"] is True and out["step"] == 3
     assert {(r.applied, r.weights, r.pending) for r in engine.ranks} == {(3, 3, None)}
-    assert engine.version == "3" and engine.prefix_resets == 1
+    assert engine.version == "3" and engine.prefix_resets == 0  # salted, not dropped
+    assert coord.kv.identities == {"policy": "sha256:3"}
     assert coord.primary.switches[-1].identity == "sha256:3"
     assert coord.update_to(3, "sha256:3") == {"step": 3, "identity": "sha256:3",
                                               "switched": False}

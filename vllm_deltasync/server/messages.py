@@ -337,6 +337,16 @@ class SwitchRecord:
     downloaded_bytes: tuple[int, ...] = ()
     changed: int = 0
     numel: int = 0
+    in_flight: str | None = None
+    """What its running requests did (``in_flight``); None: it determines nobody's KV."""
+    kept: int = 0
+    """Running requests that continued from their KV (``server/engine/kv.py`` ``KvSwitch``)."""
+    recomputed: int = 0
+    """Running requests preempted to compute their KV again on the new weights."""
+    recompute_tokens: int = 0
+    """The KV tokens those had computed."""
+    resalted: int = 0
+    """Requests given the new weights' prefix-cache salt at the switch."""
 
     def to_wire(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)

@@ -152,7 +152,7 @@ _HISTOGRAMS: tuple[tuple[str, str, str, tuple[str, ...], tuple[float, ...]], ...
     ("apply_duration", "apply_duration_seconds",
      "Time one rank spent writing one step into its weights.", _R, _APPLY_BUCKETS),
     ("pause_duration", "pause_duration_seconds",
-     "Engine pause for one switch (every rank applies, prefix cache reset).", (), _APPLY_BUCKETS),
+     "Engine pause for one switch (every rank applies the step).", (), _APPLY_BUCKETS),
     ("admission_steps_behind", "admission_steps_behind",
      "Per request added to the engine: how many steps the applied weights were behind the "
      "newest step any rank saw in the bucket (newest + 1 before the first apply).", (),

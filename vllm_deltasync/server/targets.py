@@ -13,8 +13,8 @@ in ``server/engine/``) and never asks which target it has. A row says:
 - how its startup proof runs (one collective forward through the runner, or each rank's own
   modules);
 - its switch policy (:class:`SwitchPolicy`): whether an unknown state holds the engine or only
-  the target, whether a switch resets the prefix cache and sets vLLM's weight version, whether
-  it waits for a drain, whether the trainer drives it.
+  the target, whose KV cache its weights determine (the prefix-cache salt), whether a switch
+  sets vLLM's weight version, whether it waits for a drain, whether the trainer drives it.
 
 A target's ``name`` is its label everywhere: the ``model`` label of the metrics, the ``model``
 argument of the ``deltasync_*`` RPCs, its key in a rank's status and in the engine status.
@@ -51,8 +51,9 @@ class SwitchPolicy:
     engine serves (the drafter: speculative decoding's output is the target model's whatever
     the draft)."""
     resets_prefix_cache: bool
-    """A switch drops the prefix cache (KV computed by the old weights), if the server's
-    ``reset_prefix_cache`` allows."""
+    """A failed switch (taken back, or the weights unknown until an anchor) drops the prefix
+    cache with the running requests, if the server's ``reset_prefix_cache`` allows. A switch
+    that stands drops nothing: :attr:`kv_scope` keeps requests off other versions' blocks."""
     labels_version: bool
     """A switch sets vLLM's weight version to the step (``weight_versions`` spans, headers)."""
     drains: bool
@@ -60,6 +61,13 @@ class SwitchPolicy:
     trainer_driven: bool
     """Under the weight-transfer backend ``deltasync`` only the trainer's ``update_weights``
     switches it (ticks only release a hold)."""
+    kv_scope: str = "every"
+    """Whose KV cache its weights determine (``server/engine/kv.py``). ``"every"``: every
+    request's (the policy): its applied identity salts every request's prefix-cache blocks,
+    and ``in_flight`` says what running requests do at its switch. ``"adapter"``: only the
+    requests naming the LoRA adapter this row is named after (as requests name it).
+    ``"none"``: nobody's (the drafter: the target model's KV depends only on the target's
+    weights; a draft's KV from older draft weights only lowers acceptance)."""
 
 
 @dataclass(frozen=True)
@@ -140,7 +148,7 @@ POLICY = Target(
 DRAFTER = Target(
     name="drafter",
     policy=SwitchPolicy(holds_engine=False, resets_prefix_cache=False, labels_version=False,
-                        drains=False, trainer_driven=False),
+                        drains=False, trainer_driven=False, kv_scope="none"),
     source=_drafter_source,
     weights=lambda view: view.drafter,
     missing=("drafter_url or drafter_prefix is set but this engine runs no draft model of its "

@@ -37,6 +37,7 @@ from vllm_deltasync.server.endpoint import MetricsServer
 from vllm_deltasync.server.engine.follower import TargetFollower
 from vllm_deltasync.server.engine.gate import Gate
 from vllm_deltasync.server.engine.handle import EngineCore
+from vllm_deltasync.server.engine.kv import KvVersions, Requests, unknown_identity
 from vllm_deltasync.server.engine.switch import Failpoint, SwitchHeld, fatal
 from vllm_deltasync.server.messages import EngineStatus, RankStatus, TargetStatus
 from vllm_deltasync.server.metrics import SyncMetrics
@@ -61,9 +62,13 @@ class Coordinator:
     """Starts the ranks, ticks, and owns what is engine-wide (module doc)."""
 
     def __init__(self, engine: EngineCore, config: SyncConfig, *,
-                 wake: Callable[[], None] | None, trainer_driven: bool = False) -> None:
+                 wake: Callable[[], None] | None, trainer_driven: bool = False,
+                 requests: Requests | None = None) -> None:
+        """``requests``: the engine core's requests (``server/vllm/scheduler.py``), salted by
+        the weights they run on (``kv.py``); None: nothing is salted (engine-less tests)."""
         self.engine = engine
         self.config = config
+        self.kv = KvVersions(requests, [t.name for t in TARGETS if t.policy.kv_scope == "every"])
         self.trainer_driven = trainer_driven
         """vLLM's weight-transfer API with backend ``deltasync``: the ranks' pollers stage steps
         as usual, but only the trainer's ``update_weights`` switches the targets it drives
@@ -74,7 +79,7 @@ class Coordinator:
         self.gate = Gate(engine, config.max_drain_wait_s)
         self.failpoint = Failpoint()
         self.followers = {t.name: TargetFollower(engine, config, t, self.gate, self.failpoint,
-                                                 self.metrics, self.read_statuses)
+                                                 self.metrics, self.read_statuses, self.kv)
                           for t in SWITCH_ORDER}
         self.ranks: list[RankStatus] = []
         self._last_error: str | None = None
@@ -154,6 +159,11 @@ class Coordinator:
             self._timer.start()
         logger.info("deltasync following %s with %d rank(s), poll every %.2fs",
                     self.config.redacted_url(), len(self.ranks), self.config.poll_interval_s)
+        if not self.config.reset_prefix_cache:
+            logger.warning("deltasync: reset_prefix_cache=false is deprecated: requests are "
+                           "salted by the weights they run on, no switch drops the prefix "
+                           "cache; running requests keep their KV (set in_flight=keep_kv, the "
+                           "default, and drop reset_prefix_cache)")
 
     def _refused(self) -> str | None:
         reasons = [f"rank {s.rank}: {s.refused}" for s in self.statuses if s.refused]
@@ -277,12 +287,17 @@ class Coordinator:
         """A rank saw its weights written behind our back (vLLM's ``reload_weights``): it
         forgot its applied step and resyncs through the newest anchor. Until that anchor's
         switch the weights are whatever was loaded, so the step label is withdrawn
-        (``unknown``; a label the user set after the reload is left alone), the prefix cache
-        is dropped, and the rebuilt maps are proved again."""
+        (``unknown``; a label the user set after the reload is left alone), the requests are
+        salted by an identity no other weights share and the running ones compute their KV
+        again (``kv.py``; the prefix cache is also dropped unless ``reset_prefix_cache`` is
+        false), and the rebuilt maps are proved again."""
         reloads = sum(s.reloads for s in self.statuses)
         if reloads <= self._reloads:
             return
         self._reloads = reloads
+        for target in TARGETS:  # unknown weights: no request may share blocks with any other
+            if target.policy.kv_scope == "every":
+                self.kv.switched(target.name, unknown_identity(target.name), "continue")
         if self.config.reset_prefix_cache:
             self.engine.reset_prefix_cache(reset_running_requests=True)
         label = self.engine.get_weight_version()
@@ -307,6 +322,20 @@ class Coordinator:
         from vllm_deltasync.server.engine.trainer import update_to
 
         return update_to(self, step, identity, wait_s=wait_s)
+
+    # ------------------------------------------------------------------- requests
+    def admit(self, request: Any) -> None:
+        """Before the engine core adds ``request`` (busy-loop thread, or the in-process
+        caller's): its prefix-cache salt by the weights applied now (``kv.py``). Never
+        raises: a failure is logged and kept as the last error."""
+        try:
+            self.kv.admit(request)
+        except Exception as exc:  # noqa: BLE001 - never take the engine down
+            error = f"prefix-cache salt: {type(exc).__name__}: {exc}"
+            if error != self._last_error:
+                logger.error("deltasync: a request could not be salted by the applied weights "
+                             "(it may reuse KV blocks of other weights): %s", error)
+            self.last_error = error
 
     # ------------------------------------------------------------------- reading
     def observe_admission(self) -> None:

@@ -31,6 +31,7 @@ from vllm_deltasync._urls import redact_text
 from vllm_deltasync.config import SyncConfig
 from vllm_deltasync.server.engine.gate import Gate
 from vllm_deltasync.server.engine.handle import EngineCore
+from vllm_deltasync.server.engine.kv import KvVersions
 from vllm_deltasync.server.engine.ready import common_ready
 from vllm_deltasync.server.engine.switch import CommitFailed, Failpoint, Switch
 from vllm_deltasync.server.messages import RankStatus, SwitchRecord, TargetReport, TargetStatus
@@ -57,9 +58,10 @@ class TargetFollower:
 
     def __init__(self, engine: EngineCore, config: SyncConfig, target: Target, gate: Gate,
                  failpoint: Failpoint, metrics: Any,
-                 read: Callable[[], Sequence[RankStatus]]) -> None:
-        """``read``: every rank's status read now (the coordinator's parse)."""
-        self.engine, self.config, self.target = engine, config, target
+                 read: Callable[[], Sequence[RankStatus]], kv: KvVersions) -> None:
+        """``read``: every rank's status read now (the coordinator's parse); ``kv``: the
+        engine's request salts (``kv.py``)."""
+        self.engine, self.config, self.target, self.kv = engine, config, target, kv
         self._read = read
         self.name = target.name
         self.policy = target.policy
@@ -129,7 +131,7 @@ class TargetFollower:
         stands (a :class:`CommitFailed` raised after it says the same), False when taken back;
         a :class:`~.switch.SwitchFailed` is raised after acting on it."""
         out = Switch(self.engine, self.config, self.target, len(self.statuses),
-                     self.failpoint).run(step, identity)
+                     self.failpoint, self.kv).run(step, identity)
         if not out.switched:
             self.failures += 1
             self.last_error = out.reason

@@ -1,6 +1,7 @@
 """One switch of one target, as one unit: every rank applies a step, the engine core does what
-the target's policy asks (prefix cache, weight version), every rank commits; anything that
-fails on the way is taken back on every rank, or the result says the ranks' weights are unknown.
+the target's policy asks (the requests' KV by ``in_flight`` and the prefix-cache salt,
+``kv.py``; the weight version), every rank commits; anything that fails on the way is taken
+back on every rank, or the result says the ranks' weights are unknown.
 
 :class:`Switch` is the engine-core half of the switch protocol, the same for every target
 (``server/targets.py``); its rank half is ``server/worker/switching.py``, answering through the
@@ -34,6 +35,7 @@ from vllm_deltasync import failpoints
 from vllm_deltasync.config import SyncConfig
 from vllm_deltasync.errors import DeltaSyncError
 from vllm_deltasync.server.engine.handle import EngineCore
+from vllm_deltasync.server.engine.kv import KvSwitch, KvVersions, adapter_key, unknown_identity
 from vllm_deltasync.server.messages import (
     ApplyAnswer,
     CommitAnswer,
@@ -78,7 +80,7 @@ class Failpoint:
         if self.step is not None and (model, step) == (self.model, self.step):
             self.step = None
             raise RuntimeError(f"failpoint switch: the {model}'s switch to step {step} fails "
-                               "between the ranks' apply and the prefix-cache reset")
+                               "between the ranks' apply and the engine core's part")
 
     def at_tick(self) -> None:
         if self.step is None and self.ticks > 0:
@@ -111,13 +113,21 @@ class Switch:
     so."""
 
     def __init__(self, engine: EngineCore, config: SyncConfig, target: Target, ranks: int,
-                 failpoint: Failpoint) -> None:
+                 failpoint: Failpoint, kv: KvVersions) -> None:
         self.engine = engine
         self.config = config
         self.target = target
         self.ranks = ranks
         self.failpoint = failpoint
+        self.kv = kv
         self.kwargs = {"model": target.name}
+        scope = target.policy.kv_scope
+        self.kv_key = (None if scope == "none" else adapter_key(target.name) if scope == "adapter"
+                       else target.name)
+        """The key of its identity among the requests' (``kv.py``); None: it salts nobody."""
+        self._kv_before: tuple[str | None] | None = None
+        """The identity before the engine part changed it (to restore on a take-back)."""
+        self._kv_done: KvSwitch | None = None
 
     def run(self, step: int, identity: str | None = None) -> SwitchResult:
         started = time.perf_counter()
@@ -136,7 +146,7 @@ class Switch:
                 unknown=any(a.outcome is Outcome.UNKNOWN for a in failed))
         try:
             self.failpoint.at_switch(self.target.name, step)
-            self._engine_part(step)
+            self._engine_part(step, identity)
         except BaseException as exc:
             return self._raised(step, "the engine core failed the switch after the ranks "
                                 "applied it", exc)
@@ -144,11 +154,16 @@ class Switch:
                             record=self._record(step, identity, pause_s, answers),
                             commit_error=self.commit(step))
 
-    def _engine_part(self, step: int) -> None:
-        policy = self.target.policy
-        if policy.resets_prefix_cache and self.config.reset_prefix_cache:
-            self.engine.reset_prefix_cache(reset_running_requests=True)
-        if policy.labels_version:
+    def _engine_part(self, step: int, identity: str | None) -> None:
+        """The requests' KV (``kv.py``: salts, and the running requests by ``in_flight``),
+        then the weight version. No prefix-cache reset: the salt keeps every request off
+        blocks of other weights."""
+        if self.kv_key is not None:
+            self._kv_before = (self.kv.identities.get(self.kv_key),)
+            in_flight = self.config.in_flight if self.config.reset_prefix_cache else "keep_kv"
+            self._kv_done = self.kv.switched(self.kv_key, identity or unknown_identity(
+                self.kv_key), in_flight)  # reset_prefix_cache=false (deprecated): keep_kv
+        if self.target.policy.labels_version:
             self.engine.set_weight_version(str(step))
 
     def _record(self, step: int, identity: str | None, pause_s: float,
@@ -160,7 +175,14 @@ class Switch:
             at=time.time(), steps=first.steps, kinds=first.kinds,
             apply_s=tuple(d.apply_s for d in done), repack_s=tuple(d.repack_s for d in done),
             downloaded_bytes=tuple(d.downloaded_bytes for d in done), changed=first.changed,
-            numel=first.numel)
+            numel=first.numel, **self._kv_record())
+
+    def _kv_record(self) -> dict[str, Any]:
+        kv = self._kv_done
+        if kv is None:
+            return {}
+        return {"in_flight": kv.in_flight, "kept": kv.kept, "recomputed": kv.recomputed,
+                "recompute_tokens": kv.recompute_tokens, "resalted": kv.resalted}
 
     def _parse(self, parse: Any, raw: Sequence[Any], i: int, step: int) -> Any:
         """Answer ``i`` parsed, or (missing, of the wrong shape or from another rank: a late
@@ -226,6 +248,8 @@ class Switch:
             return SwitchResult(step, switched=False, unknown=True, reason=(
                 f"{reason}; the revert broadcast failed too: {type(exc).__name__}: {exc}"))
         lost = [a.rank for a in back if not a.outcome.as_before]
+        if self._kv_before is not None and self.kv_key is not None:
+            self.kv.restore(self.kv_key, self._kv_before[0])  # no batch ran on the new weights
         if len(back) >= self.ranks and not lost:
             policy = self.target.policy
             if policy.resets_prefix_cache and self.config.reset_prefix_cache:

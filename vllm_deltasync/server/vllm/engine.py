@@ -17,7 +17,9 @@ that does gets hooks on its *instance* (never its class), all here:
   and ticks on the caller's thread, before each step (``step_fn``) and before each of the
   caller's ``collective_rpc`` (at most once per ``poll_interval_s``), and right after one that
   may have written the weights. An idle in-process engine switches at its next call;
-- both: ``shutdown`` stops the coordinator first, ``deltasync_engine_status`` answers
+- both: ``add_request`` salts each request by the weights applied now, on the thread where
+  switches happen (``server/engine/kv.py``, through ``server/vllm/scheduler.py``);
+  ``shutdown`` stops the coordinator first, ``deltasync_engine_status`` answers
   ``call_utility("deltasync_engine_status")`` and ``deltasync_count_conflict`` counts a 409 of
   the API server (:mod:`.http`) on this engine's ``/metrics``.
 
@@ -46,6 +48,7 @@ from vllm_deltasync.server.engine.admission import EngineFacts, coordinator_conf
 from vllm_deltasync.server.engine.coordinator import Coordinator
 from vllm_deltasync.server.engine.handle import Pause
 from vllm_deltasync.server.vllm import surface
+from vllm_deltasync.server.vllm.scheduler import SchedulerRequests
 
 logger = logging.getLogger(__name__)
 
@@ -122,6 +125,8 @@ def on_engine_core(engine: Any) -> None:
         _hook_busy_loop(engine)
     else:
         _hook_in_process(engine)
+    if refused is None:
+        _hook_add_request(engine)
     if refused is None and facts_of(engine.vllm_config).weight_transfer_backend == trainer.BACKEND:
         _hook_weight_transfer(engine)
 
@@ -199,6 +204,22 @@ def _hook_in_process(engine: Any) -> None:
     engine.collective_rpc = hooked_rpc
 
 
+def _hook_add_request(engine: Any) -> None:
+    """Each request the engine core adds (the busy loop's ``ADD``; in process, the caller's
+    ``add_request``) gets its prefix-cache salt from the weights applied now, on the thread
+    where switches happen (``server/engine/kv.py``): vLLM built its block hashes on the
+    input thread, before the switches that thread cannot see."""
+    add = engine.add_request
+
+    def hooked_add_request(request: Any, request_wave: int = 0) -> Any:
+        coord = getattr(engine, "_deltasync_coord", None)
+        if coord is not None:
+            coord.admit(request)
+        return add(request, request_wave)
+
+    engine.add_request = hooked_add_request
+
+
 def _hook_shutdown(engine: Any) -> None:
     shutdown = engine.shutdown
 
@@ -267,7 +288,8 @@ def start_coordinator(engine: Any, *, in_process: bool = False) -> Any:
         engine.input_queue.put_nowait((EngineCoreRequestType.WAKEUP, TICK))
 
     coord = Coordinator(EngineHandle(engine), config, wake=None if in_process else wake,
-                        trainer_driven=facts.weight_transfer_backend == trainer.BACKEND)
+                        trainer_driven=facts.weight_transfer_backend == trainer.BACKEND,
+                        requests=SchedulerRequests(engine) if refuse is None else None)
     coord.start(refuse=refuse)
     return coord
 

@@ -64,6 +64,8 @@ _DRAFTER = DRAFTER.surface_scope
 _CORE = "vllm.v1.engine.core"
 _RUNNER = "vllm.v1.worker.gpu_model_runner:GPUModelRunner"
 _MOE = "vllm.model_executor.layers.fused_moe"
+_REQ = "vllm.v1.request"
+_SCHED = "vllm.v1.core.sched.scheduler:Scheduler"
 
 SURFACE: tuple[Symbol, ...] = (
     # ---- installed by the plugin in every vLLM process (no-ops unless the engine names us)
@@ -105,8 +107,58 @@ SURFACE: tuple[Symbol, ...] = (
            "it up on the instance): update_weights is taken by the coordinator",
            "the extension refuses", params=("method", "timeout", "args", "kwargs")),
     Symbol(f"{_CORE}:EngineCore.reset_prefix_cache", "called",
-           "drop KV computed with the old weights at every switch",
+           "after a failed switch (taken back, held) or a reload behind our back, with "
+           "reset_prefix_cache: drop the cache and recompute the running requests",
            "the extension refuses", params=("reset_running_requests",)),
+    # ---- the requests' KV by weight version (server/vllm/scheduler.py, server/engine/kv.py)
+    Symbol(f"{_CORE}:EngineCore.add_request", "wrapped",
+           "each request the engine core adds (busy loop's ADD, in-process caller) is salted "
+           "by the weights applied now, on the thread where switches happen",
+           "the extension refuses", params=("request", "request_wave")),
+    Symbol(f"{_REQ}:Request.cache_salt", "read",
+           "written: the user's salt combined with the identities of the weights the request "
+           "runs on (its blocks never match blocks of other weights)", "the extension refuses",
+           attr=True, private=True),
+    Symbol(f"{_REQ}:Request.block_hashes", "read",
+           "cleared before vLLM's hasher computes them again from the new salt",
+           "the extension refuses", attr=True, private=True),
+    Symbol(f"{_REQ}:Request.update_block_hashes", "called",
+           "the block hashes from the new salt, by vLLM's own hasher", "the extension refuses",
+           private=True),
+    Symbol(f"{_REQ}:Request.status", "read",
+           "running, preempted, or not started (what a switch does to it, in_flight)",
+           "the extension refuses", attr=True, private=True),
+    Symbol(f"{_REQ}:Request.num_computed_tokens", "read",
+           "a waiting request that computed nothing; the KV tokens a recompute drops",
+           "the extension refuses", attr=True, private=True),
+    Symbol(f"{_REQ}:Request.request_id", "read", "the preempted requests' ids",
+           "the extension refuses", attr=True, private=True),
+    Symbol(f"{_REQ}:Request.lora_request", "read",
+           "the LoRA adapter whose identity also salts the request", "the extension refuses",
+           attr=True, private=True),
+    Symbol("vllm.lora.request:LoRARequest.lora_name", "read", "the same",
+           "the extension refuses"),
+    Symbol(f"{_REQ}:RequestStatus.RUNNING", "read", "a running request (in_flight)",
+           "the extension refuses", private=True),
+    Symbol(f"{_REQ}:RequestStatus.PREEMPTED", "read",
+           "a started request holding no KV (re-salted when in_flight recomputes)",
+           "the extension refuses", private=True),
+    *(Symbol(f"{_REQ}:RequestStatus.{name}", "read", "a request not started (re-salted)",
+             "the extension refuses", private=True)
+      for name in ("WAITING", "WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR")),
+    Symbol(f"{_SCHED}.requests", "read", "every unfinished request, at a switch",
+           "the extension refuses", attr=True, private=True),
+    Symbol(f"{_SCHED}.running", "read",
+           "in_flight=continue: the running requests of the switched weights leave it",
+           "the extension refuses", attr=True, private=True),
+    Symbol(f"{_SCHED}._preempt_request", "called",
+           "in_flight=continue: preempt them as reset_prefix_cache(reset_running_requests="
+           "True) does, without dropping the prefix cache",
+           "the extension refuses", params=("request", "timestamp", "drop_stale_output"),
+           private=True),
+    Symbol(f"{_SCHED}.prev_step_scheduled_req_ids", "read",
+           "the same: the preempted requests are not the last step's any more",
+           "the extension refuses", attr=True, private=True),
     Symbol(f"{_CORE}:EngineCore.set_weight_version", "called",
            "the weight version vLLM reports is the applied step", "the extension refuses",
            params=("weight_version",)),

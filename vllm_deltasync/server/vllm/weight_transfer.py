@@ -10,7 +10,7 @@ The update itself never runs here. The trainer side (``trainer/weight_transfer.p
 a step to the bucket, then calls ``update_weights({"step": N, "identity": ...})``; the engine
 core's coordinator takes that call (``engine.py``, ``_hook_weight_transfer``): it waits until
 every rank has step N staged by its poller, then switches every rank at once, in place, as
-when following a bucket (prefix-cache reset, weight version, commit; or taken back on every
+when following a bucket (the requests' KV by in_flight, weight version, commit; or taken back on every
 rank). So ``start_weight_update`` / ``finish_weight_update`` are no-ops here, and
 :meth:`DeltaSyncWeightTransferEngine.receive_weights` is reached only when the coordinator did
 not take the call; it raises, saying why.
