@@ -89,7 +89,8 @@ def test_moe_engine_core_at_data_parallel_refuses_without_starting_a_rank(tmp_pa
     class Engine:  # the part of vLLM's EngineCore the coordinator calls
         vllm_config = _vllm_config(moe=True, dp=2, index=1, url=f"file://{tmp_path}/b", port=port)
 
-        def collective_rpc(self, method: str, args: tuple[Any, ...] = (), **_: Any) -> list[Any]:
+        def collective_rpc(self, method: str, timeout: float | None = None,  # vLLM's signature
+                           args: tuple[Any, ...] = (), kwargs: Any = None) -> list[Any]:
             calls.append(method)
             return [None]  # a worker where deltasync never started answers deltasync_stop so
 
