@@ -1,6 +1,6 @@
 """Download benchmark: hf:// throughput vs a plain parallel GET, and the request budget.
 
-1. **Throughput.** The local Hub bucket server (``tests/stores/hubserver.py``, run in its own
+1. **Throughput.** The local Hub bucket server (``tests/helpers/hubserver.py``, run in its own
    process so it does not share the client's GIL) serves a multi-file step with a
    per-connection bandwidth limit on its CDN origin, mimicking a CDN / object store (~50-100
    MB/s per connection in production, scaled down here). The same bytes are fetched (a) through
@@ -37,7 +37,7 @@ from vllm_deltasync.format.layout import manifest_path
 from vllm_deltasync.server.worker.discovery import StepWatcher
 from vllm_deltasync.stores.hf import HfOptions, HfStore
 
-HUBSERVER = Path(__file__).resolve().parents[1] / "tests" / "stores" / "hubserver.py"
+HUBSERVER = Path(__file__).resolve().parents[1] / "tests" / "helpers" / "hubserver.py"
 BUCKET = "bench/step"
 REPLICAS = 32
 FILES_PER_STEP = 4  # data files a replica reads per step in the budget estimate (+1 manifest)

@@ -1,14 +1,14 @@
 """Fleet benchmark: N replicas following one bucket, with and without a mirror and jitter.
 
 A real ``DeltaPublisher`` publishes a small model's steps to the local Hub bucket server
-(``tests/stores/hubserver.py``, in its own process, no quotas: it counts what it is asked) at one
+(``tests/helpers/hubserver.py``, in its own process, no quotas: it counts what it is asked) at one
 step per simulated minute. N simulated replicas follow it, in a few worker processes, each on
 its own ``StepWatcher`` (the events feed, with the poller's intervals: ``poller.watcher_options``,
 ``branch_check_s``), its own node cache (``NodeCachedStore``) and ``BucketReader`` (download,
 verify, decode; no engine, no apply), with the poller's request pattern: the newest manifest read
 fresh when it changes, the applied one read again every ``branch_check_s`` unless a newer step
 continues it, the chain planned, then each step downloaded after its jitter. With the mirror,
-data objects come through nginx configured from ``deploy/nginx/`` (``tests/stores/mirrorserver.py``).
+data objects come through nginx configured from ``deploy/nginx/`` (``tests/helpers/mirrorserver.py``).
 
 Time is compressed k-fold: every interval (poll, listing, feed checks, branch checks, jitter, the
 publishing cadence, the feed's connection lifetime) is divided by k, so one simulated minute
@@ -48,8 +48,8 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-HUBSERVER = ROOT / "tests" / "stores" / "hubserver.py"
-MIRRORSERVER = ROOT / "tests" / "stores" / "mirrorserver.py"
+HUBSERVER = ROOT / "tests" / "helpers" / "hubserver.py"
+MIRRORSERVER = ROOT / "tests" / "helpers" / "mirrorserver.py"
 BUCKET, PREFIX = "bench/fleet", "run"
 URL = f"hf://buckets/{BUCKET}/{PREFIX}"
 STEP_S = 60.0

@@ -2,7 +2,7 @@
 
 Real MoE checkpoints hold 10^4-10^5 expert tensors. Here vLLM's own ``Qwen3MoeForCausalLM``
 is built for one rank (TP=1, in this process, no engine: a single-process gloo world as in
-tests/shardmap/conftest.py) with 64 layers of 160 experts, hidden 128, expert intermediate 64,
+tests/helpers/tp_world.py) with 64 layers of 160 experts, hidden 128, expert intermediate 64,
 and vLLM's own after-load processing runs on it (the CPU MoE kernel pads and repacks
 ``w13_weight`` / ``w2_weight``). The checkpoint has per-expert tensors, as ``save_pretrained``
 writes them: ``gate_proj`` and ``up_proj`` [64, 128] and ``down_proj`` [128, 64], so

@@ -10,7 +10,7 @@ TP-splitting it would cut that part 8x). Two layers are measured with checkpoint
 (``model.layers.{L}.mlp.experts.{E}.gate_proj.weight``, ``...shared_experts.up_proj.weight``).
 
 The trainer publishes an anchor, then delta steps with :class:`DeltaPublisher` to the local Hub
-bucket server (``tests/stores/hubserver.py``, run in its own process, loopback, no bandwidth
+bucket server (``tests/helpers/hubserver.py``, run in its own process, loopback, no bandwidth
 limit; it counts the requests). Each delta step changes 1% of every tensor's elements at
 uniformly random positions; the bf16 bit-pattern difference (int16, new - old) has
 |d| = 1 (70%), 2 (20%), 3 (4%), 4 (4%), 5..16 uniform (2%), sign +/- at random.
@@ -65,7 +65,7 @@ from vllm_deltasync.format.reader import BucketReader
 from vllm_deltasync.stores import open_store
 from vllm_deltasync.trainer.publisher import DeltaPublisher
 
-HUBSERVER = Path(__file__).resolve().parents[1] / "tests" / "stores" / "hubserver.py"
+HUBSERVER = Path(__file__).resolve().parents[1] / "tests" / "helpers" / "hubserver.py"
 BUCKET = "bench/scale"
 HIDDEN, INTER = 7168, 2048
 ROUTED, EP = 256, 32

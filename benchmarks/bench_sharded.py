@@ -46,7 +46,7 @@ def worker(url: str, out: Path, case: dict) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from tests.trainer.dist_worker import TinyLlama
+    from tests.helpers.dist_worker import TinyLlama
     from vllm_deltasync import DeltaPublisher
 
     torch.set_num_threads(1)

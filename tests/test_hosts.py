@@ -21,7 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import (
+from tests.helpers.engines import requires_vllm
+from tests.helpers.hosts import (
     AMX_TILES,
     HOST,
     HOST_FLAGS,
@@ -32,7 +33,6 @@ from .conftest import (
     describe_host,
     engine_probe,
 )
-from .engine.conftest import requires_vllm
 
 
 def _child(code: str, **env: str) -> subprocess.CompletedProcess[str]:

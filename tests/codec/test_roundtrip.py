@@ -7,14 +7,12 @@ from pathlib import Path
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
+from tests.helpers.codec import bits_to_bf16, deltas, publish_and_read_back
 from vllm_deltasync.errors import FormatError
 from vllm_deltasync.format.codec import TensorPatch
 from vllm_deltasync.format.codecs import get_codec
 from vllm_deltasync.format.sparse_v2 import SparseV2Codec
-
-from .conftest import SPECIAL_BITS, bits_to_bf16, publish_and_read_back
 
 SPARSE = {
     "sparse-v1": get_codec("sparse-v1"),
@@ -24,30 +22,6 @@ SPARSE = {
     "sparse-v2/torch": SparseV2Codec(cpu_kernels="torch"),
     "sparse-v2-zstd/torch": SparseV2Codec(compression="zstd", cpu_kernels="torch"),
 }
-
-
-@st.composite
-def deltas(draw: st.DrawFn) -> tuple[torch.Tensor, torch.Tensor]:
-    """(old, new) bf16 1-D tensors: random bits, specials, a drawn density, edge positions."""
-    n = draw(st.integers(1, 3000))
-    seed = draw(st.integers(0, 2**31 - 1))
-    g = torch.Generator().manual_seed(seed)
-    old_bits = torch.randint(0, 1 << 16, (n,), generator=g)
-    special = torch.tensor(SPECIAL_BITS)
-    pick = torch.rand(n, generator=g) < draw(st.sampled_from([0.0, 0.1, 0.5]))
-    old_bits[pick] = special[torch.randint(0, len(SPECIAL_BITS), (int(pick.sum()),), generator=g)]
-    density = draw(st.sampled_from([0.0, 0.001, 0.01, 0.05, 0.3, 1.0]))
-    mask = torch.rand(n, generator=g) < density
-    mask[0] |= draw(st.booleans())
-    mask[-1] |= draw(st.booleans())
-    kind = draw(st.sampled_from(["small", "mixed", "random"]))  # +-1..3 like real steps, ...
-    step = torch.randint(1, 4, (n,), generator=g) * (torch.randint(0, 2, (n,), generator=g) * 2 - 1)
-    if kind == "mixed":  # ... a few far moves among them (escapes), or arbitrary new bits
-        far = torch.rand(n, generator=g) < 0.03
-        step = torch.where(far, torch.randint(8, 1 << 15, (n,), generator=g), step)
-    new_bits = torch.randint(0, 1 << 16, (n,), generator=g) if kind == "random" else old_bits + step
-    new_bits = torch.where(mask, new_bits & 0xFFFF, old_bits)
-    return bits_to_bf16(old_bits), bits_to_bf16(new_bits)
 
 
 def _roundtrip(codec_key: str, old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:

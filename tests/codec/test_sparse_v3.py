@@ -16,15 +16,19 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 
+from tests.helpers.codec import (
+    SPECIAL_BITS,
+    bits_to_bf16,
+    deltas,
+    publish_and_read_back,
+    step_pair,
+    v3_roundtrip,
+)
 from vllm_deltasync.errors import FormatError
 from vllm_deltasync.format import sparse_v3
-from vllm_deltasync.format.codec import TensorPatch
 from vllm_deltasync.format.codecs import CODECS, decode_chunk, get_codec
 from vllm_deltasync.format.manifest import Chunk, Manifest, Region, TensorEntry
 from vllm_deltasync.format.sparse_v3 import SparseV3Codec
-
-from .conftest import SPECIAL_BITS, bits_to_bf16, publish_and_read_back
-from .test_roundtrip import deltas
 
 V3 = get_codec("sparse-v3")
 
@@ -43,43 +47,11 @@ def _nbytes(roles: dict[str, torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in roles.values())
 
 
-def _roundtrip(old: torch.Tensor, new: torch.Tensor, codec: Any = V3) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """Encode the changed elements of ``old -> new``, decode, check indices and applied bits."""
-    idx = torch.nonzero(old.view(torch.int16) != new.view(torch.int16)).flatten()
-    roles, meta = codec.encode(idx, new[idx], old[idx])
-    assert set(roles) == {"data"} and roles["data"].dtype == torch.uint8 and roles["data"].dim() == 1
-    json.dumps(meta)  # the meta goes into the manifest
-    indices, values, relative = codec.decode(roles, meta, idx.numel())
-    assert relative and indices is not None and indices.dtype == torch.int64
-    assert torch.equal(indices, idx)
-    out = old.clone()
-    TensorPatch("t", tuple(old.shape), indices, values, relative=True).apply_to(out)
-    assert torch.equal(out.view(torch.int16), new.view(torch.int16))
-    return roles, meta
-
-
-def _step(n: int, density: float, kind: str, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """(old, new): ``density`` of ``n`` elements changed by a few ulps (``small``, like real
-    AdamW steps), with 3% far moves (``mixed``), or to arbitrary bits (``random``)."""
-    g = torch.Generator().manual_seed(seed)
-    old_bits = torch.randint(0, 1 << 16, (n,), generator=g)
-    mask = torch.rand(n, generator=g) < density
-    sign = torch.randint(0, 2, (n,), generator=g) * 2 - 1
-    step = torch.randint(1, 4, (n,), generator=g) * sign
-    if kind == "mixed":
-        far = torch.rand(n, generator=g) < 0.03
-        step = torch.where(far, torch.randint(8, 1 << 15, (n,), generator=g) * sign, step)
-    new_bits = torch.randint(0, 1 << 16, (n,), generator=g) if kind == "random" else old_bits + step
-    new_bits = torch.where(mask, new_bits & 0xFFFF, old_bits)
-    new_bits = torch.where(mask & (new_bits == old_bits), (old_bits + 1) & 0xFFFF, new_bits)
-    return bits_to_bf16(old_bits), bits_to_bf16(new_bits)
-
-
 @settings(max_examples=80, deadline=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(pair=deltas())
 def test_roundtrip_is_bit_exact(pair: tuple[torch.Tensor, torch.Tensor]) -> None:
-    _roundtrip(*pair)
+    v3_roundtrip(*pair)
 
 
 DENSITIES = (0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 0.5, 0.9, 0.99, 1.0)
@@ -90,8 +62,8 @@ DENSITIES = (0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 0.5, 0.9, 0.99, 1.0)
 def test_every_density_round_trips_and_is_never_larger_than_dense(density: float, kind: str) -> None:
     """The size rule: a chunk's data is at most the dense bf16 size of its span (+1%)."""
     n = 60_000
-    old, new = _step(n, density, kind, seed=int(density * 1000))
-    roles, meta = _roundtrip(old, new)
+    old, new = step_pair(n, density, kind, seed=int(density * 1000))
+    roles, meta = v3_roundtrip(old, new)
     idx = torch.nonzero(old.view(torch.int16) != new.view(torch.int16)).flatten()
     span = int(idx[-1]) - int(idx[0]) + 1
     assert _nbytes(roles) <= 1.01 * 2 * span, (meta, _nbytes(roles), span)
@@ -103,8 +75,8 @@ def test_compact_on_small_steps(density: float) -> None:
     (``H(p) / p`` bits of position and ``log2(6)`` of value per changed element)."""
     import math
 
-    old, new = _step(4_000_000, density, "small", seed=7)
-    roles, _ = _roundtrip(old, new)
+    old, new = step_pair(4_000_000, density, "small", seed=7)
+    roles, _ = v3_roundtrip(old, new)
     changed = int((old.view(torch.int16) != new.view(torch.int16)).sum())
     h = -(density * math.log2(density) + (1 - density) * math.log2(1 - density))
     floor = (h / density + math.log2(6)) / 8
@@ -136,7 +108,7 @@ def test_all_changed_and_specials() -> None:
     bits = SPECIAL_BITS * 300
     old = bits_to_bf16(bits)
     new = bits_to_bf16([(b + 1 + 977 * i) & 0xFFFF for i, b in enumerate(bits)])
-    _roundtrip(old, new)
+    v3_roundtrip(old, new)
 
 
 def test_gaps_beyond_16_and_32_bits() -> None:
@@ -215,7 +187,7 @@ def test_encoder_refuses_bad_input() -> None:
 
 
 def _chunk(density: float = 0.02, n: int = 50_000) -> tuple[dict[str, torch.Tensor], dict[str, Any], int]:
-    old, new = _step(n, density, "mixed", seed=5)
+    old, new = step_pair(n, density, "mixed", seed=5)
     idx = torch.nonzero(old.view(torch.int16) != new.view(torch.int16)).flatten()
     roles, meta = V3.encode(idx, new[idx], old[idx])
     return roles, meta, idx.numel()
@@ -293,7 +265,7 @@ def test_a_huge_claimed_frame_is_refused_before_decompressing() -> None:
 
 
 def test_span_must_hold_count_changes() -> None:
-    old, new = _step(4000, 1.0, "random", seed=1)
+    old, new = step_pair(4000, 1.0, "random", seed=1)
     idx = torch.nonzero(old.view(torch.int16) != new.view(torch.int16)).flatten()
     roles, meta = V3.encode(idx, new[idx], old[idx])
     assert meta["layout"] == "span"
@@ -336,15 +308,15 @@ def test_publisher_round_trip_and_requires(tmp_path, monkeypatch) -> None:  # ty
 
 
 def test_custom_level_reads_back() -> None:
-    old, new = _step(20_000, 0.01, "small")
-    _roundtrip(old, new, SparseV3Codec(level=3))
+    old, new = step_pair(20_000, 0.01, "small")
+    v3_roundtrip(old, new, SparseV3Codec(level=3))
 
 
 @pytest.mark.parametrize("compression", ["none", "zstd"])
 def test_random_corruption_is_a_format_error_or_a_well_formed_result(compression: str) -> None:
     """Flipped bytes and random meta values: a FormatError, or ``count`` well-typed elements."""
     rng = random.Random(compression)
-    old, new = _step(3000 if compression == "none" else 200_000, 0.02, "mixed", seed=9)
+    old, new = step_pair(3000 if compression == "none" else 200_000, 0.02, "mixed", seed=9)
     idx = torch.nonzero(old.view(torch.int16) != new.view(torch.int16)).flatten()
     roles, meta = V3.encode(idx, new[idx], old[idx])
     if compression == "none":  # tiny chunks are stored raw; force one

@@ -12,12 +12,10 @@ from typing import Any
 import pytest
 import torch
 
+from tests.helpers.codec import bits_to_bf16, step_pair, v3_roundtrip
 from vllm_deltasync.errors import FormatError
 from vllm_deltasync.format import sparse_v3
 from vllm_deltasync.format.codecs import get_codec
-
-from .conftest import bits_to_bf16
-from .test_sparse_v3 import _roundtrip, _step
 
 V3 = get_codec("sparse-v3")
 
@@ -47,7 +45,7 @@ def test_numba_and_numpy_decoders_agree_on_corrupt_chunks(
         pytest.skip("numba is not installed (or failed to compile): there is one decoder only")
     monkeypatch.setattr(sparse_v3, "_KERNEL", [kernel])
     rng = random.Random(f"agree-{compression}")
-    old, new = _step(3000 if compression == "none" else 60_000, 0.05, "mixed", seed=4)
+    old, new = step_pair(3000 if compression == "none" else 60_000, 0.05, "mixed", seed=4)
     idx = torch.nonzero(old.view(torch.int16) != new.view(torch.int16)).flatten()
     if compression == "none":
         idx = idx[:12]
@@ -95,8 +93,8 @@ def test_a_numba_that_fails_to_compile_leaves_the_numpy_decoder(
     assert [r.getMessage() for r in caplog.records] == [
         "sparse-v3: numba could not compile the decoder (OSError: no LLVM target here); "
         "decoding with numpy (~1.5x slower)"]
-    old, new = _step(50_000, 0.01, "mixed")
-    _roundtrip(old, new)
+    old, new = step_pair(50_000, 0.01, "mixed")
+    v3_roundtrip(old, new)
 
 
 def test_prepare_without_jit_never_loads_numba() -> None:

@@ -12,14 +12,11 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 
+from tests.helpers.codec import SPECIAL_BITS, bits_to_bf16, deltas, step_pair
 from vllm_deltasync.format import _sparse_v3_encoder as encoder
 from vllm_deltasync.format import sparse_v3
 from vllm_deltasync.format._sparse_v3_decoder import zstd_module
 from vllm_deltasync.format.codecs import get_codec
-
-from .conftest import SPECIAL_BITS, bits_to_bf16
-from .test_roundtrip import deltas
-from .test_sparse_v3 import _step
 
 V3 = get_codec("sparse-v3")
 
@@ -65,7 +62,7 @@ def _changed(old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("density", [0.001, 0.01, 0.05, 0.3, 1.0])
 @pytest.mark.parametrize("kind", ["small", "mixed", "random"])
 def test_numba_and_numpy_encoders_write_the_same_bytes(density: float, kind: str, kernels: Any) -> None:
-    old, new = _step(200_000, density, kind, seed=int(density * 1000))
+    old, new = step_pair(200_000, density, kind, seed=int(density * 1000))
     idx = _changed(old, new)
     _both(idx, new[idx], old[idx], kernels)
     _both(idx, new[idx], None, kernels)  # raw values (high_bits 8)
@@ -154,7 +151,7 @@ def test_every_high_bits_choice_matches(kernels: Any) -> None:
 def test_frames_of_the_old_zstd_parameters_still_decode(monkeypatch: pytest.MonkeyPatch) -> None:
     """0.4.0 compressed with btopt at level 15: its frames decode to the same elements."""
     zstd = zstd_module()
-    old, new = _step(300_000, 0.01, "mixed")
+    old, new = step_pair(300_000, 0.01, "mixed")
     idx = _changed(old, new)
     roles, meta = V3.encode(idx, new[idx], old[idx])
     assert meta["compression"] == "zstd"
@@ -177,7 +174,7 @@ def test_a_numba_that_fails_to_compile_leaves_the_numpy_encoder(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     numba = pytest.importorskip("numba", reason="numba is not installed: nothing to break")
-    old, new = _step(50_000, 0.01, "mixed")
+    old, new = step_pair(50_000, 0.01, "mixed")
     idx = _changed(old, new)
     want = V3.encode(idx, new[idx], old[idx])
 

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from safetensors.torch import save
 
+from tests.helpers.transports import S3_CREDENTIALS
 from vllm_deltasync._loop import run_sync
 from vllm_deltasync.cli import main
 from vllm_deltasync.errors import ChainError, FormatError
@@ -15,10 +18,26 @@ from vllm_deltasync.format.reader import BucketReader
 from vllm_deltasync.trainer.publisher import DeltaPublisher
 from vllm_deltasync.trainer.trl_import import TrlImporter, parse_trl_path, plan_replay
 
-from .conftest import trl_delta_meta, trl_file
-
 SHAPES = {"model.embed_tokens.weight": (50, 16), "model.layers.0.mlp.down_proj.weight": (16, 40), "model.norm.weight": (16,)}
 
+
+
+def trl_file(tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> bytes:
+    return save(tensors, metadata=meta)
+
+
+def trl_delta_meta(step: int, changed: list[str], total: int, nnz: int) -> dict[str, str]:
+    """Header metadata as TRL's delta sync writes it."""
+    return {
+        "format": "sparse_weight_patch",
+        "version": "1",
+        "sparse": "true",
+        "model_version": str(step),
+        "sparsity": f"{1 - nnz / total:.6f}",
+        "changed_params": json.dumps(changed),
+        "total_params": str(total),
+        "changed_elements": str(nnz),
+    }
 
 class TrlTrainer:
     """Writes steps the way TRL's delta sync does: anchors every N, absolute-value deltas."""
@@ -156,7 +175,6 @@ def test_import_from_a_network_bucket_closes_its_sessions(
         store = request.getfixturevalue("make_hf_store")()
         env.update(HF_ENDPOINT=hub.endpoint, HF_TOKEN=hub.token)
     else:
-        from tests.conftest import S3_CREDENTIALS
         store = request.getfixturevalue("make_s3_store")()
         env.update(AWS_ENDPOINT_URL=request.getfixturevalue("s3_endpoint"), AWS_REGION="us-east-1",
                    AWS_ACCESS_KEY_ID=S3_CREDENTIALS["aws_access_key_id"],

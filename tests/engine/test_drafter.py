@@ -34,10 +34,10 @@ from typing import Any
 import pytest
 
 from examples.toymodel import build_eagle_head, build_model
+from tests.helpers.drafter import greedy, speculative_llm
 from vllm_deltasync import DeltaPublisher
 
 from .conftest import (
-    EXTENSION,
     Trainer,
     close_llm,
     engine_env,
@@ -50,42 +50,20 @@ from .conftest import (
 
 DASHBOARD = Path(__file__).parents[2] / "deploy" / "grafana" / "dashboards" / "vllm-deltasync.json"
 
-SPEC_TOKENS = 3
-PROMPTS = ["the policy moved a step", "river mountain city house garden window"]
 STEPS = 2
-
-
-def _llm(policy: Path, draft: Path, *, extension: bool, tp: int = 1,
-         method: str = "draft_model") -> Any:
-    from vllm import LLM
-
-    kw: dict[str, Any] = {"worker_extension_cls": EXTENSION} if extension else {}
-    return LLM(model=str(policy), enforce_eager=True, max_model_len=512, dtype="bfloat16",
-               tensor_parallel_size=tp,
-               seed=0, max_num_seqs=4, disable_log_stats=False,
-               speculative_config={"method": method, "model": str(draft),
-                                   "num_speculative_tokens": SPEC_TOKENS}, **kw)
-
-
-def _greedy(llm: Any) -> list[list[int]]:
-    from vllm import SamplingParams
-
-    outs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True),
-                        use_tqdm=False)
-    return [list(o.outputs[0].token_ids) for o in outs]
 
 
 FRESH = """
 import json, sys
 from pathlib import Path
-from tests.engine.test_drafter import _greedy, _llm
-from tests.engine.conftest import close_llm
+from tests.helpers.drafter import greedy, speculative_llm
+from tests.helpers.engines import close_llm
 out = {}
 tp, method = int(sys.argv[2]), sys.argv[3]
 for policy, draft in json.loads(sys.argv[1]):
-    llm = _llm(Path(policy), Path(draft), extension=False, tp=tp, method=method)
+    llm = speculative_llm(Path(policy), Path(draft), extension=False, tp=tp, method=method)
     try:
-        out[policy] = _greedy(llm)
+        out[policy] = greedy(llm)
     finally:
         close_llm(llm)
 print("FRESH " + json.dumps(out))
@@ -150,7 +128,7 @@ def test_policy_and_drafter_follow_their_buckets(tmp_path: Path, tp: int) -> Non
             DeltaPublisher(d_url, anchor_every=10) as dpub, \
             engine_env(tmp_path, tp, url=p_url, drafter_url=d_url, poll_interval_s=0.1,
                        metrics_port=port, metrics_host="127.0.0.1"):
-        llm = _llm(policy_dir, draft_dir, extension=True, tp=tp)
+        llm = speculative_llm(policy_dir, draft_dir, extension=True, tp=tp)
         try:
             for step in range(STEPS + 1):
                 if step:
@@ -165,7 +143,7 @@ def test_policy_and_drafter_follow_their_buckets(tmp_path: Path, tp: int) -> Non
                 wait_applied(llm, step)
                 assert _drafter_digests_equal(llm, ckpts[-1][1]), step
                 assert not _drafter_digests_equal(llm, draft_dir) or step == 0
-                got = _greedy(llm)
+                got = greedy(llm)
                 if step == STEPS:
                     served = got
             counters = _spec_counters(llm)
@@ -264,7 +242,7 @@ def test_an_eagle_head_in_the_policy_bucket_follows(tmp_path: Path) -> None:
                        metrics_port=0):
         pub.publish(0, [*policy.named_tensors(), *((f"eagle.{n}", t) for n, t in head.items())])
         pub.flush()
-        llm = _llm(policy_dir, head_dir, extension=True, method="eagle")
+        llm = speculative_llm(policy_dir, head_dir, extension=True, method="eagle")
         try:
             [status] = llm.collective_rpc("deltasync_status")
             assert status["refused"] is None and status["drafter"]["refused"] is None, status
@@ -292,7 +270,7 @@ def test_an_eagle_head_in_the_policy_bucket_follows(tmp_path: Path) -> None:
                 # the shared embedding and lm_head hold the policy's step, nothing else
                 assert llm.collective_rpc("deltasync_weight_digests") == llm.collective_rpc(
                     "deltasync_checkpoint_digests", args=(str(ckpts[-1][0]),)), step
-                served = _greedy(llm)
+                served = greedy(llm)
             assert _spec_counters(llm).get("vllm:spec_decode_num_draft_tokens", 0) > 0
             switched = engine_status(llm)["drafter"]["switches"]
             assert [s["step"] for s in switched] == list(range(STEPS + 1)), switched

@@ -27,9 +27,9 @@ from typing import Any
 import pytest
 
 from examples.toymodel import build_model
+from tests.helpers.hosts import NO_PACKING, vllm_packs_bf16_linears
 from vllm_deltasync import DeltaPublisher, failpoints
 
-from ..conftest import NO_PACKING, vllm_packs_bf16_linears
 from .conftest import (
     FreshOutputs,
     Trainer,

@@ -35,7 +35,7 @@ from typing import Any
 import pytest
 
 from examples.toymodel import build_model
-from tests.server._follow import remove_steps
+from tests.helpers.follow import remove_steps
 from vllm_deltasync import DeltaPublisher
 from vllm_deltasync.format.layout import manifest_path
 from vllm_deltasync.format.manifest import load_document, manifest_identity

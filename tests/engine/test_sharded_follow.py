@@ -2,7 +2,7 @@
 
 Two ``torchrun`` ranks train the engine's own checkpoint (a locally built Llama; vocab 301 is
 an uneven dim-0 shard) with ``fully_shard`` and AdamW, and every rank publishes only its shards
-(tests/trainer/dist_worker.py, scenario ``fsdp``: 3 steps, then a restart under a new run id
+(tests/helpers/dist_worker.py, scenario ``fsdp``: 3 steps, then a restart under a new run id
 for 3 more, whose first step is an anchor). The engine, started from the checkpoint, reaches
 the last step across the run change; its live weights equal the model gathered in the test,
 and its outputs equal a fresh engine started from that gathered checkpoint.
@@ -17,7 +17,7 @@ import pytest
 from safetensors.torch import load_file, save_file
 
 from examples.toymodel import build_model
-from tests.trainer.test_sharded import _torchrun
+from tests.helpers.torchrun import torchrun
 
 from .conftest import (
     FreshOutputs,
@@ -44,7 +44,7 @@ def test_engine_follows_a_sharded_trainer_to_its_last_step(
                             num_heads=2, num_kv_heads=1, intermediate_size=96, vocab_size=301,
                             seed=7)
     url, out = f"file://{tmp_path}/bucket", tmp_path / "out"
-    _torchrun(2, "fsdp", url, str(out), "--steps", str(STEPS), "--init", str(model_dir))
+    torchrun(2, "fsdp", url, str(out), "--steps", str(STEPS), "--init", str(model_dir))
     last = 2 * STEPS - 1
 
     ckpt = tmp_path / "ckpt-last"  # the gathered model (test side only), servable

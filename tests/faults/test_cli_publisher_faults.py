@@ -15,9 +15,9 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import S3_CREDENTIALS
-from tests.faults.conftest import cli, one_line_error
-from tests.format.conftest import Trainer
+from tests.helpers.faults import cli, one_line_error
+from tests.helpers.publishing import Trainer
+from tests.helpers.transports import S3_CREDENTIALS
 from vllm_deltasync import DeltaPublisher
 from vllm_deltasync.errors import PublishError
 from vllm_deltasync.stores import open_store

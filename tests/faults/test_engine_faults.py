@@ -33,23 +33,23 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import local_uploader
-from tests.engine.conftest import (
+from tests.helpers import hubserver
+from tests.helpers.engines import (
     Trainer,
     api_server,
     close_llm,
     digests_equal_checkpoint,
     engine_env,
     engine_status,
-    free_port,
     generate,
     long_prompts,
     make_llm,
     requires_vllm,
     wait_applied,
 )
-from tests.faults.conftest import assert_no_secret
-from tests.stores import hubserver
+from tests.helpers.faults import assert_no_secret
+from tests.helpers.net import free_port
+from tests.helpers.transports import local_uploader
 from vllm_deltasync import DeltaPublisher, failpoints
 
 pytestmark = [requires_vllm, pytest.mark.engine]

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from tests.faults.conftest import (
+from tests.helpers.faults import (
     cli,
     manifest_doc,
     one_line_error,
@@ -27,7 +27,7 @@ from tests.faults.conftest import (
     sparse_chunk,
     write_doc,
 )
-from tests.format.conftest import Trainer, bits_equal, publish_run, read_full
+from tests.helpers.publishing import Trainer, bits_equal, publish_run, read_full
 from vllm_deltasync.cli.bucket import _run_verify
 from vllm_deltasync.config import SyncConfig
 from vllm_deltasync.errors import FormatError

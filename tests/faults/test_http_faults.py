@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from tests.faults.conftest import Hostile, cli, one_line_error
+from tests.helpers.faults import Hostile, cli, one_line_error
 from vllm_deltasync._urls import redirect_allowed
 from vllm_deltasync.errors import StoreError, TransientStoreError
 from vllm_deltasync.server.worker.discovery import StepWatcher

@@ -8,7 +8,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from tests.format.conftest import Trainer
+from tests.helpers.publishing import Trainer
 from vllm_deltasync import DeltaPublisher
 from vllm_deltasync.config import SyncConfig
 from vllm_deltasync.format.manifest import fingerprint

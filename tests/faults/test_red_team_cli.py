@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.format.conftest import Trainer, bits_equal, manifest_steps, publish_run
+from tests.helpers.publishing import Trainer, bits_equal, manifest_steps, publish_run
 from vllm_deltasync import BucketReader, DeltaPublisher
 from vllm_deltasync.cli import main
 from vllm_deltasync.format._listing import newest_readable

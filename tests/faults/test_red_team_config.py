@@ -24,7 +24,7 @@ from typing import Any
 
 import pytest
 
-from tests.faults.conftest import LookupLog, cli, one_line_error
+from tests.helpers.faults import LookupLog, cli, one_line_error
 from vllm_deltasync import DeltaPublisher
 from vllm_deltasync._urls import redact_text, redact_url
 from vllm_deltasync.config import SyncConfig, is_configured

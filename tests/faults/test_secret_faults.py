@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from tests.faults.conftest import PLANTED, Hostile, assert_no_secret, cli, one_line_error
+from tests.helpers.faults import PLANTED, Hostile, assert_no_secret, cli, one_line_error
 from vllm_deltasync import DeltaPublisher
 from vllm_deltasync._urls import redact_text, redact_url
 from vllm_deltasync.config import SyncConfig

@@ -27,7 +27,7 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from tests.faults.conftest import (
+from tests.helpers.faults import (
     PLANTED,
     Hostile,
     LookupLog,

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from tests.format.conftest import Trainer, bits_equal
+from tests.helpers.publishing import Trainer, bits_equal
 from vllm_deltasync import DeltaPublisher
 from vllm_deltasync.errors import PublishError
 from vllm_deltasync.format.reader import BucketReader

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from tests.format.conftest import Trainer
+from tests.helpers.publishing import Trainer
 from vllm_deltasync import DeltaPublisher
 
 DATA = Path(__file__).resolve().parents[1] / "data"

@@ -9,9 +9,8 @@ from pathlib import Path
 import pytest
 
 import vllm_deltasync
+from tests.helpers.publishing import Trainer, publish_run
 from vllm_deltasync import cli
-
-from .conftest import Trainer, publish_run
 
 
 def test_inspect_reports_steps_kinds_bytes_sparsity_and_chains(

@@ -10,9 +10,16 @@ import sys
 import time
 from pathlib import Path
 
+from tests.helpers.publishing import (
+    REPO,
+    Trainer,
+    bits_equal,
+    data_dirs,
+    manifest_steps,
+    read_full,
+    run_cli,
+)
 from vllm_deltasync import BucketReader, DeltaPublisher
-
-from .conftest import REPO, Trainer, bits_equal, data_dirs, manifest_steps, read_full, run_cli
 
 CHILD = r"""
 import asyncio, sys, types

@@ -11,11 +11,10 @@ import numpy as np
 import pytest
 import torch
 
+from tests.helpers.publishing import Trainer, bits_equal, read_full
 from vllm_deltasync import DeltaPublisher
 from vllm_deltasync.trainer import diff as diff_mod
 from vllm_deltasync.trainer.diff import Differ
-
-from .conftest import Trainer, bits_equal, read_full
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 

@@ -8,9 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.helpers.publishing import REPO, run_cli
 from vllm_deltasync.cli import main
-
-from .conftest import REPO, run_cli
 
 
 def test_example_publishes_a_readable_bucket(tmp_path: Path) -> None:

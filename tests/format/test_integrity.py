@@ -11,11 +11,10 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
+from tests.helpers.publishing import Trainer, bits_equal, publish_run, read_full, run_cli
 from vllm_deltasync import BucketReader
 from vllm_deltasync.cli import main
 from vllm_deltasync.errors import ChainError, FormatError, IntegrityError
-
-from .conftest import Trainer, bits_equal, publish_run, read_full, run_cli
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from tests.format.conftest import Trainer, bits_equal, publish_run
+from tests.helpers.publishing import Trainer, bits_equal, publish_run
 from vllm_deltasync.errors import FormatError
 from vllm_deltasync.format.manifest import (
     MAX_MANIFEST_BYTES,

@@ -10,10 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from vllm_deltasync import BucketReader, DeltaPublisher
-from vllm_deltasync.errors import ConfigError, PublishError, TransientStoreError
-
-from .conftest import (
+from tests.helpers.publishing import (
+    GATED,
     GatedStore,
     Trainer,
     bits_equal,
@@ -22,6 +20,11 @@ from .conftest import (
     publish_run,
     read_full,
 )
+from vllm_deltasync import BucketReader, DeltaPublisher
+from vllm_deltasync.errors import ConfigError, PublishError, TransientStoreError
+from vllm_deltasync.stores import register_store
+
+register_store("gated", *GATED)
 
 
 def manifests(url: str) -> dict[int, object]:

@@ -7,10 +7,9 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers.publishing import Trainer, manifest_steps, read_full
 from vllm_deltasync import DeltaPublisher, PublisherOptions
 from vllm_deltasync.errors import ConfigError
-
-from .conftest import Trainer, manifest_steps, read_full
 
 
 def test_keywords_and_an_options_object_configure_the_same_publisher(tmp_path: Path) -> None:

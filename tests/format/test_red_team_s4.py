@@ -15,10 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.helpers.publishing import Trainer, bits_equal, manifest_steps, read_full
 from vllm_deltasync import BucketReader, DeltaPublisher
 from vllm_deltasync.errors import ConfigError, PublishError
-
-from .conftest import Trainer, bits_equal, manifest_steps, read_full
 
 
 def _objects(root: Path) -> dict[str, bytes]:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import uuid
 from pathlib import Path
 
-from tests.format.conftest import Trainer, bits_equal, data_dirs, manifest_steps, read_full
+from tests.helpers.publishing import Trainer, bits_equal, data_dirs, manifest_steps, read_full
 from vllm_deltasync import DeltaPublisher
 from vllm_deltasync._loop import default_loop
 from vllm_deltasync.format.writer import retain

@@ -16,7 +16,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.format.conftest import Trainer, publish_run
+from tests.helpers.publishing import Trainer, publish_run
 from vllm_deltasync.errors import FormatError, UnsupportedFormatError
 from vllm_deltasync.format._selected import _table, read_manifest, split_table
 from vllm_deltasync.format.manifest import (

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.format.conftest import Trainer, bits_equal, publish_run, read_full, reindex
+from tests.helpers.publishing import Trainer, bits_equal, publish_run, read_full, reindex
 from vllm_deltasync import DeltaPublisher
 from vllm_deltasync.cli.bucket import _run_materialize, _run_verify
 from vllm_deltasync.config import SyncConfig

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.faults.conftest import write_doc
-from tests.format.conftest import Trainer, publish_run
+from tests.helpers.faults import write_doc
+from tests.helpers.publishing import Trainer, publish_run
 from vllm_deltasync import BucketReader
 from vllm_deltasync.cli import main
 from vllm_deltasync.format.manifest import load_document

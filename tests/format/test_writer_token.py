@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from tests.format.conftest import Trainer, bits_equal, data_dirs, manifest_steps, read_full
+from tests.helpers.publishing import Trainer, bits_equal, data_dirs, manifest_steps, read_full
 from vllm_deltasync import DeltaPublisher
 from vllm_deltasync.errors import PublishError
 

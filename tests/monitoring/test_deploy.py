@@ -13,9 +13,8 @@ import pytest
 import yaml
 from prometheus_client import CollectorRegistry
 
+from tests.helpers.monitoring import DEPLOY, need_binary, rank_status
 from vllm_deltasync.server import metrics
-
-from .conftest import DEPLOY, need_binary, rank_status
 
 PROM = DEPLOY / "prometheus"
 DASHBOARD = DEPLOY / "grafana" / "dashboards" / "vllm-deltasync.json"

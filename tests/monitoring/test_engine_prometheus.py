@@ -15,8 +15,9 @@ from typing import Any
 import pytest
 import torch
 
-from ..engine.conftest import api_server
-from .conftest import DEPLOY, free_port, http_get, parse_exposition, scrape_config
+from tests.helpers.engines import api_server
+from tests.helpers.monitoring import DEPLOY, parse_exposition, scrape_config
+from tests.helpers.net import free_port, http_get
 
 pytestmark = [pytest.mark.engine, pytest.mark.prometheus]
 DELTAS = 6

@@ -8,14 +8,14 @@ from typing import Any
 import pytest
 from prometheus_client import CollectorRegistry
 
+from tests.helpers.monitoring import parse_exposition, rank_status, sample
+from tests.helpers.net import http_get
 from vllm_deltasync.errors import ChainError, ConfigError
 from vllm_deltasync.server import metrics
 from vllm_deltasync.server.endpoint import MetricsServer
 from vllm_deltasync.server.engine.coordinator import parse_statuses
 from vllm_deltasync.server.messages import MessageError
 from vllm_deltasync.stores.base import StoreStats
-
-from .conftest import http_get, parse_exposition, rank_status, sample
 
 
 def status(rank: int, applied: int | None, newest: int | None, stats: metrics.WorkerStats,

@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from .conftest import parse_exposition
+from tests.helpers.monitoring import parse_exposition
 
 ENGINE_CORE = """
 from vllm_deltasync.server import metrics

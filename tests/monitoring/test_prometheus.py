@@ -28,6 +28,8 @@ import pytest
 import torch
 import yaml
 
+from tests.helpers.monitoring import DEPLOY, rank_status, scrape_config
+from tests.helpers.net import http_get
 from vllm_deltasync import cli
 from vllm_deltasync.errors import DeltaSyncError, FormatError, IntegrityError, StoreError
 from vllm_deltasync.format.manifest import Manifest
@@ -35,8 +37,6 @@ from vllm_deltasync.format.reader import BucketReader
 from vllm_deltasync.server import metrics
 from vllm_deltasync.server.endpoint import MetricsServer
 from vllm_deltasync.trainer.publisher import DeltaPublisher
-
-from .conftest import DEPLOY, http_get, rank_status, scrape_config
 
 pytestmark = pytest.mark.prometheus
 DASHBOARD = DEPLOY / "grafana" / "dashboards" / "vllm-deltasync.json"

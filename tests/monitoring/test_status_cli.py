@@ -10,13 +10,13 @@ from typing import Any
 
 import pytest
 
+from tests.helpers.monitoring import rank_status
+from tests.helpers.net import free_port
 from vllm_deltasync import cli
 from vllm_deltasync.cli.status import metrics_url
 from vllm_deltasync.errors import ConfigError
 from vllm_deltasync.server import metrics
 from vllm_deltasync.server.endpoint import MetricsServer
-
-from .conftest import free_port, rank_status
 
 
 @pytest.fixture

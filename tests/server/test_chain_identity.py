@@ -19,14 +19,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.server._follow import (
+from tests.helpers.follow import (
     Follower,
     Weights,
-    _copy,
-    _publish,
-    _train,
-    _weights,
+    clone,
+    publish_steps,
     remove_steps,
+    seeded_weights,
+    train,
 )
 from vllm_deltasync import DeltaPublisher
 from vllm_deltasync.errors import ChainError
@@ -38,9 +38,9 @@ from vllm_deltasync.server.worker.switching import check_chain
 
 def _run_a(url: str, truth: dict[int, Weights], format_version: int = 3) -> dict[int, Weights]:
     """Run A: steps 0-3; returns the trainer's checkpoints by step."""
-    w, g = _weights(0), torch.Generator().manual_seed(1)
+    w, g = seeded_weights(0), torch.Generator().manual_seed(1)
     with DeltaPublisher(url, anchor_every=10, format_version=format_version) as pub:
-        _publish(pub, w, g, range(4), truth)
+        publish_steps(pub, w, g, range(4), truth)
     return truth
 
 
@@ -58,11 +58,11 @@ def test_restart_with_steps_removed_and_republished_never_applies_across(
     old_three = f.state.applied_manifest().identity
 
     remove_steps(root, [2, 3])
-    b, w, g = {}, _copy(a[1]), torch.Generator().manual_seed(7)
+    b, w, g = {}, clone(a[1]), torch.Generator().manual_seed(7)
     with DeltaPublisher(url, anchor_every=10, resumed_from=1,
                         format_version=format_version) as pub:
         assert pub.next_step == 2
-        _publish(pub, w, g, range(2, 5), b)
+        publish_steps(pub, w, g, range(2, 5), b)
     f.follow_until(lambda: f.at(4, b[4]))
     steps = [s for s, _ in f.applied]
     assert steps[-3:] == [2, 3, 4], f.applied  # through the new run's anchor
@@ -82,12 +82,12 @@ def test_documented_restart_publishes_an_anchor_at_the_next_free_step(
     a = _run_a(url, {})
     f = follower_factory(url, {k: torch.zeros_like(v) for k, v in a[0].items()})
     f.follow_until(lambda: f.at(3, a[3]))
-    b, w, g = {}, _copy(a[1]), torch.Generator().manual_seed(9)
+    b, w, g = {}, clone(a[1]), torch.Generator().manual_seed(9)
     with DeltaPublisher(url, anchor_every=10, resumed_from=1) as pub:
         assert pub.next_step == 4
         with pytest.raises(Exception, match="steps must increase"):
             pub.publish(3, w.items())  # a committed step number is never reused
-        _publish(pub, w, g, range(pub.next_step, 7), b)
+        publish_steps(pub, w, g, range(pub.next_step, 7), b)
         first = pub.stats.last_manifest
     f.follow_until(lambda: f.at(6, b[6]))
     reader_doc = load_document((tmp_path / "bucket" / manifest_path(4)).read_bytes())
@@ -106,9 +106,9 @@ def test_wiped_bucket_and_new_run_from_zero_is_followed(
     f = follower_factory(url, {k: torch.zeros_like(v) for k, v in a[0].items()})
     f.follow_until(lambda: f.at(3, a[3]))
     shutil.rmtree(root)
-    b, w, g = {}, _weights(5), torch.Generator().manual_seed(6)
+    b, w, g = {}, seeded_weights(5), torch.Generator().manual_seed(6)
     with DeltaPublisher(url, anchor_every=10) as pub:
-        _publish(pub, w, g, range(2), b)
+        publish_steps(pub, w, g, range(2), b)
     seen_lost: list[str] = []
 
     def done() -> bool:
@@ -131,9 +131,9 @@ def test_steps_rewritten_in_place_with_nothing_newer_are_seen(
     f = follower_factory(url, {k: torch.zeros_like(v) for k, v in a[0].items()})
     f.follow_until(lambda: f.at(3, a[3]))
     remove_steps(root, [2, 3])
-    b, w, g = {}, _copy(a[1]), torch.Generator().manual_seed(3)
+    b, w, g = {}, clone(a[1]), torch.Generator().manual_seed(3)
     with DeltaPublisher(url, anchor_every=10) as pub:
-        _publish(pub, w, g, range(2, 4), b)
+        publish_steps(pub, w, g, range(2, 4), b)
     f.follow_until(lambda: f.at(3, b[3]))
     assert f.applied[-1][1] != f.applied[-3][1]  # the same number, another identity
     assert f.poller.status().counters.branch_changes == 1
@@ -146,17 +146,17 @@ def test_loaded_step_takes_the_bucket_identity_and_refuses_another_run(
     run id) is refused like the reader refuses it, and nothing is staged."""
     url, root = f"file://{tmp_path}/bucket", tmp_path / "bucket"
     truth: dict[int, Weights] = {}
-    w, g = _weights(0), torch.Generator().manual_seed(1)
+    w, g = seeded_weights(0), torch.Generator().manual_seed(1)
     with DeltaPublisher(url, anchor_every=10) as pub:
-        _publish(pub, w, g, range(2), truth)
-    f = follower_factory(url, _copy(truth[1]), loaded_step=1)
+        publish_steps(pub, w, g, range(2), truth)
+    f = follower_factory(url, clone(truth[1]), loaded_step=1)
     f.follow_until(lambda: f.state.applied_manifest() is not None)
     assert f.state.applied_manifest().identity == manifest_identity(
         (root / manifest_path(1)).read_bytes())
     # a delta 2 computed elsewhere from the same weights, made to name this bucket's step 1 as
     # its base (number and identity), under another run id
-    a2 = _copy(truth[1])
-    _train(a2, g)
+    a2 = clone(truth[1])
+    train(a2, g)
     src = tmp_path / "other"
     with DeltaPublisher(f"file://{src}", anchor_every=10) as pub3:
         pub3.publish(0, truth[0].items())
@@ -181,9 +181,9 @@ def test_the_rank_check_refuses_a_delta_planned_on_other_weights(tmp_path: Path)
     must be the applied one, and the last step must be the one the engine core chose."""
     url = f"file://{tmp_path}/bucket"
     truth: dict[int, Weights] = {}
-    w, g = _weights(0), torch.Generator().manual_seed(1)
+    w, g = seeded_weights(0), torch.Generator().manual_seed(1)
     with DeltaPublisher(url, anchor_every=10) as pub:
-        _publish(pub, w, g, range(3), truth)
+        publish_steps(pub, w, g, range(3), truth)
     from vllm_deltasync.format.reader import BucketReader
 
     reader = BucketReader.open(url)

@@ -16,14 +16,13 @@ from typing import Any
 
 import pytest
 
+from tests.helpers.fake_engine import FakeEngine as Engine
+from tests.helpers.fake_engine import FakeRank as Rank
+from tests.helpers.fake_engine import make_coordinator, once
 from vllm_deltasync.server.engine.coordinator import Coordinator
 from vllm_deltasync.server.engine.ready import common_ready, staged_target
 from vllm_deltasync.server.engine.switch import CommitFailed
 from vllm_deltasync.server.messages import TargetStatus
-
-from .conftest import FakeEngine as Engine
-from .conftest import FakeRank as Rank
-from .conftest import make_coordinator, once
 
 
 def coordinator(ranks: list[Rank], **config: Any) -> tuple[Coordinator, Engine]:

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from tests.server._follow import Follower, Weights, _publish, _weights
+from tests.helpers.follow import Follower, Weights, publish_steps, seeded_weights
 from vllm_deltasync import DeltaPublisher
 from vllm_deltasync.format.layout import manifest_path
 
@@ -33,9 +33,9 @@ GARBAGE = b"\x00garbage, not a manifest"
 
 def _three_steps(url: str, options: dict[str, Any] | None = None) -> dict[int, Weights]:
     truth: dict[int, Weights] = {}
-    w, g = _weights(3), torch.Generator().manual_seed(4)
+    w, g = seeded_weights(3), torch.Generator().manual_seed(4)
     with DeltaPublisher(url, anchor_every=10, store_options=options) as pub:
-        _publish(pub, w, g, range(3), truth)
+        publish_steps(pub, w, g, range(3), truth)
     return truth
 
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import pytest
 
+from tests.helpers.fake_engine import FakeRank as Rank
+from tests.helpers.fake_engine import FakeScheduler, make_coordinator
 from vllm_deltasync.server.engine.kv import (
     IDLE,
     NEW,
@@ -21,9 +23,6 @@ from vllm_deltasync.server.engine.kv import (
     adapter_key,
     cache_salt,
 )
-
-from .conftest import FakeRank as Rank
-from .conftest import FakeScheduler, make_coordinator
 
 
 def test_the_salt_keeps_the_users_own_and_never_merges_two_versions_or_users() -> None:

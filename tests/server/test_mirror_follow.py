@@ -19,8 +19,8 @@ import pytest
 import torch
 from prometheus_client import CollectorRegistry
 
-from tests.conftest import hub_origin
-from tests.server._follow import Follower, Weights, _publish, _weights
+from tests.helpers.follow import Follower, Weights, publish_steps, seeded_weights
+from tests.helpers.transports import hub_origin
 from vllm_deltasync import DeltaPublisher
 from vllm_deltasync.config import SyncConfig
 from vllm_deltasync.format.layout import parse_data_path
@@ -41,9 +41,9 @@ def _publish_steps(store: Any, options: dict[str, Any], steps: range,
                    truth: dict[int, Weights], state: list[Any]) -> None:
     """Steps of one run; ``state`` keeps (weights, generator) between calls."""
     if not state:
-        state += [_weights(5), torch.Generator().manual_seed(6)]
+        state += [seeded_weights(5), torch.Generator().manual_seed(6)]
     with DeltaPublisher(store.url, anchor_every=10, store_options=options) as pub:
-        _publish(pub, state[0], state[1], steps, truth)
+        publish_steps(pub, state[0], state[1], steps, truth)
 
 
 def _zeros(truth: dict[int, Weights]) -> Weights:

@@ -19,7 +19,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-from tests.engine.conftest import requires_vllm
+from tests.helpers.engines import requires_vllm
 from vllm_deltasync.server.vllm.plugin import PATCHES
 from vllm_deltasync.server.vllm.surface import SURFACE
 

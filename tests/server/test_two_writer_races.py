@@ -24,8 +24,8 @@ from typing import Any
 import pytest
 import torch
 
-from tests.conftest import S3_CREDENTIALS
-from tests.server._follow import Follower, Weights, _copy, _publish, _train, _weights
+from tests.helpers.follow import Follower, Weights, clone, publish_steps, seeded_weights, train
+from tests.helpers.transports import S3_CREDENTIALS
 from vllm_deltasync import DeltaPublisher
 from vllm_deltasync.errors import ChainError, PublishError
 from vllm_deltasync.format.layout import manifest_path, parse_data_path
@@ -235,9 +235,9 @@ def _zeros(w: Weights) -> Weights:
 def _writer(site: Site, seed: int, steps: range, truth: dict[int, Weights], token: str,
             run_id: str) -> None:
     """A writer publishing ``steps`` (its first one an anchor) into ``site``."""
-    w, g = _weights(seed), torch.Generator().manual_seed(seed + 1)
+    w, g = seeded_weights(seed), torch.Generator().manual_seed(seed + 1)
     with site.publisher(writer_token=token, run_id=run_id) as pub:
-        _publish(pub, w, g, steps, truth)
+        publish_steps(pub, w, g, steps, truth)
 
 
 def _settle(f: Follower, seconds: float) -> None:
@@ -271,7 +271,7 @@ def test_a_rank_in_the_race_window_never_applies_across_writers(
     ledger = Ledger()
     ledger.add("A", target, a, [0, 1, 2])
     initial = _zeros(a[0])
-    f = follower_factory(target.url, _copy(initial), **target.follow)
+    f = follower_factory(target.url, clone(initial), **target.follow)
     f.follow_until(lambda: f.at(2, a[2]))
     assert ledger.check(f, initial) == "A"
     on_a = len(f.applied)
@@ -306,10 +306,10 @@ def test_a_rank_in_the_race_window_never_applies_across_writers(
     assert short_id(ledger.id_of("B", 1)) in status.last_error  # the link it cannot cross
 
     # B, the writer left standing, goes on: a new publisher starts with an anchor (step 4)
-    w, g = _copy(b[3]), torch.Generator().manual_seed(11)
+    w, g = clone(b[3]), torch.Generator().manual_seed(11)
     with target.publisher(writer_token=B, run_id=RUN_B) as pub:
         assert pub.next_step == 4
-        _publish(pub, w, g, range(4, 5), b)
+        publish_steps(pub, w, g, range(4, 5), b)
     ledger.add("B", target, b, [4])
     f.follow_until(lambda: ledger.check(f, initial) == "B" and f.at(4, b[4]))
     assert f.applied[on_a:] == [(4, ledger.id_of("B", 4))]
@@ -341,7 +341,7 @@ def test_interleaved_commits_are_never_mixed(
     b_id = {s: ledger.id_of("B", s) for s in range(4)}
 
     initial = _zeros(a[0])
-    f = follower_factory(target.url, _copy(initial), **target.follow)
+    f = follower_factory(target.url, clone(initial), **target.follow)
     f.follow_until(lambda: ledger.check(f, initial) is None and "step 3 was computed from a step 2"
                    in (f.poller.status().last_error or ""))
     _settle(f, 1.0)
@@ -371,10 +371,10 @@ def test_interleaved_commits_are_never_mixed(
         run(reader.close())
 
     # one writer goes on alone: its new publisher starts with an anchor, followed exactly
-    w, g = _copy(a[3]), torch.Generator().manual_seed(12)
+    w, g = clone(a[3]), torch.Generator().manual_seed(12)
     with target.publisher(writer_token=A, run_id=RUN_A) as pub:
         assert pub.next_step == 4
-        _publish(pub, w, g, range(4, 5), a)
+        publish_steps(pub, w, g, range(4, 5), a)
     ledger.add("A", target, a, [4])
     f.follow_until(lambda: ledger.check(f, initial) == "A" and f.at(4, a[4]))
     assert f.applied == [(4, ledger.id_of("A", 4))]
@@ -402,28 +402,28 @@ def test_the_loser_is_told_or_its_steps_are_refused(
     target, scratch = site_factory(), site_factory()
     a: dict[int, Weights] = {}
     b: dict[int, Weights] = {}
-    wb, gb = _weights(5), torch.Generator().manual_seed(6)
+    wb, gb = seeded_weights(5), torch.Generator().manual_seed(6)
     with scratch.publisher(writer_token=B, run_id=RUN_B) as pub_b:
-        _publish(pub_b, wb, gb, range(2, 4), b)  # B starts at step 2: an anchor, then a delta
+        publish_steps(pub_b, wb, gb, range(2, 4), b)  # B starts at step 2: an anchor, then a delta
     ledger = Ledger()
     ledger.add("B", scratch, b, [2, 3])
     _copy_steps(scratch, target, [2, 3], manifests=False)  # B's data goes up before its commits
     rival = Rival(manifest_path(2), scratch.read(manifest_path(2)), when)
     detected = when == "after" or target.kind == "s3-cond"
 
-    wa, ga = _weights(0), torch.Generator().manual_seed(1)
+    wa, ga = seeded_weights(0), torch.Generator().manual_seed(1)
     pub = target.publisher(rival, writer_token=A, run_id=RUN_A)
     try:
-        _publish(pub, wa, ga, range(2), a)
+        publish_steps(pub, wa, ga, range(2), a)
         ledger.add("A", target, a, [0, 1])
         assert not rival.landed
         initial = _zeros(a[0])
-        f = follower_factory(target.url, _copy(initial), **target.follow)
+        f = follower_factory(target.url, clone(initial), **target.follow)
         f.follow_until(lambda: f.at(1, a[1]))
 
-        _train(wa, ga)
-        a[2] = _copy(wa)
-        pub.publish(2, _copy(wa).items())
+        train(wa, ga)
+        a[2] = clone(wa)
+        pub.publish(2, clone(wa).items())
         if detected:
             with pytest.raises(PublishError) as err:
                 pub.flush()
@@ -434,8 +434,8 @@ def test_the_loser_is_told_or_its_steps_are_refused(
                     f"{B} (run {RUN_B}); this publisher is writer {A} (run {RUN_A})") in msg
             assert target.read(manifest_path(2)) == rival.data  # B's commit stands
             _copy_steps(scratch, target, [3])  # B goes on
-            _train(wa, ga)
-            pub.publish(3, _copy(wa).items())  # A, told, is refused again, never commits
+            train(wa, ga)
+            pub.publish(3, clone(wa).items())  # A, told, is refused again, never commits
             with pytest.raises(PublishError, match=f"step 2 was committed by writer {B}"):
                 pub.flush()
             assert target.read(manifest_path(3)) == scratch.read(manifest_path(3))
@@ -486,8 +486,8 @@ def test_the_loser_is_told_or_its_steps_are_refused(
             assert f.at(3, b[3])
             assert [i for _, i in f.applied][-2:] == [ledger.id_of("B", 2), ledger.id_of("B", 3)]
 
-        _train(wa, ga)
-        pub.publish(3, _copy(wa).items())  # A's next commit sees B's 3: told after the fact
+        train(wa, ga)
+        pub.publish(3, clone(wa).items())  # A's next commit sees B's 3: told after the fact
         with pytest.raises(PublishError) as err:
             pub.flush()
         assert (f"a second writer publishes to {target.url}: step 3 was committed by writer "
@@ -515,16 +515,16 @@ def test_a_replaced_step_staged_or_being_written_is_not_mixed_with_the_new_chain
     a: dict[int, Weights] = {}
     b: dict[int, Weights] = {}
     with scratch.publisher(writer_token=B, run_id=RUN_B) as pub_b:
-        _publish(pub_b, _weights(5), torch.Generator().manual_seed(6), range(2, 4), b)
+        publish_steps(pub_b, seeded_weights(5), torch.Generator().manual_seed(6), range(2, 4), b)
     ledger = Ledger()
     ledger.add("B", scratch, b, [2, 3])
-    wa, ga = _weights(0), torch.Generator().manual_seed(1)
+    wa, ga = seeded_weights(0), torch.Generator().manual_seed(1)
     with target.publisher(writer_token=A, run_id=RUN_A) as pub:
-        _publish(pub, wa, ga, range(2), a)
+        publish_steps(pub, wa, ga, range(2), a)
         initial = _zeros(a[0])
-        f = follower_factory(target.url, _copy(initial), **target.follow)
+        f = follower_factory(target.url, clone(initial), **target.follow)
         f.follow_until(lambda: f.at(1, a[1]))
-        _publish(pub, wa, ga, range(2, 3), a)
+        publish_steps(pub, wa, ga, range(2, 3), a)
     ledger.add("A", target, a, [0, 1, 2])
     deadline = time.monotonic() + 20
     while f.state.ready_steps() != [2]:  # A's 2 staged; not applied

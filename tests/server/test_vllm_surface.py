@@ -17,7 +17,7 @@ import textwrap
 import pytest
 import torch
 
-from tests.engine.conftest import requires_vllm
+from tests.helpers.engines import requires_vllm
 from vllm_deltasync import failpoints
 from vllm_deltasync.server import surface_check
 from vllm_deltasync.server.surface_check import check

@@ -19,17 +19,16 @@ from typing import Any
 
 import pytest
 
-from tests.engine.conftest import requires_vllm
+from tests.helpers.engines import requires_vllm
+from tests.helpers.fake_engine import FakeEngine as Engine
+from tests.helpers.fake_engine import FakeRank as Rank
+from tests.helpers.fake_engine import make_coordinator
 from vllm_deltasync.server.engine import trainer
 from vllm_deltasync.server.engine.admission import EngineFacts, coordinator_config
 from vllm_deltasync.server.engine.coordinator import Coordinator
 from vllm_deltasync.server.engine.trainer import WeightUpdateRefused
 from vllm_deltasync.server.messages import RankStatus, TargetStatus
 from vllm_deltasync.server.vllm import engine as engine_glue
-
-from .conftest import FakeEngine as Engine
-from .conftest import FakeRank as Rank
-from .conftest import make_coordinator
 
 
 def driven(ranks: list[Rank], **config: Any) -> tuple[Coordinator, Engine]:

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.helpers.tp_world import TPWorld, live_checkpoint, target_rank
 from vllm_deltasync import DeltaPublisher
 from vllm_deltasync.config import SyncConfig
 from vllm_deltasync.errors import ConfigError
@@ -27,8 +28,6 @@ from vllm_deltasync.server.worker.checkpoint import checkpoint_params
 from vllm_deltasync.server.worker.rank import Rank
 from vllm_deltasync.server.worker.target import TargetRank, bucket_params
 from vllm_deltasync.server.worker.view import WorkerView
-
-from .conftest import TPWorld, live_checkpoint, target_rank
 
 
 def _train(state: dict[str, torch.Tensor], seed: int) -> None:

@@ -7,6 +7,7 @@ from collections.abc import Iterable
 import pytest
 import torch
 
+from tests.helpers.tp_world import TPWorld
 from vllm_deltasync.errors import ApplyError
 from vllm_deltasync.format.codec import TensorPatch
 from vllm_deltasync.server.vllm.loaders import LOADER
@@ -17,8 +18,6 @@ from vllm_deltasync.server.worker.apply import (
     tensor_digest,
 )
 from vllm_deltasync.server.worker.shardmap import ShardMap
-
-from .conftest import TPWorld
 
 INV_FREQ = "model.layers.0.self_attn.rotary_emb.inv_freq"
 

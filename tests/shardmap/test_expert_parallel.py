@@ -29,13 +29,18 @@ from typing import Any
 import pytest
 import torch
 
+from tests.helpers.tp_world import (
+    TinyModel,
+    TPWorld,
+    assert_same_params,
+    make_step,
+    random_checkpoint,
+    single_process_world,
+)
 from vllm_deltasync.server.vllm.loaders import LOADER
 from vllm_deltasync.server.worker.apply import apply_patches, prepare
 from vllm_deltasync.server.worker.checkpoint import checkpoint_params
 from vllm_deltasync.server.worker.shardmap import ShardMap, translate_all
-
-from .conftest import TinyModel, TPWorld, random_checkpoint, single_process_world
-from .test_translate import assert_same_params, make_step
 
 EXPERTS = 12
 FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {

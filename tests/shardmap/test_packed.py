@@ -23,12 +23,11 @@ from typing import Any
 import pytest
 import torch
 
+from tests.helpers.hosts import NO_PACKING, vllm_cpu_dispatch, vllm_packs_bf16_linears
+from tests.helpers.tp_world import TPWorld, live_checkpoint, target_rank
 from vllm_deltasync.config import SyncConfig
 from vllm_deltasync.server.worker.packed import PackedLayers
 from vllm_deltasync.server.worker.target import TargetRank
-
-from ..conftest import NO_PACKING, vllm_cpu_dispatch, vllm_packs_bf16_linears
-from .conftest import TPWorld, live_checkpoint, target_rank
 
 
 def _packed_rank(tp_world: TPWorld, tmp_path: Path) -> TargetRank:

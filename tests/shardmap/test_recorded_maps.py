@@ -12,10 +12,9 @@ import os
 
 import pytest
 
+from tests.helpers.tp_world import RECORDED, TPWorld
 from vllm_deltasync.server.vllm.loaders import LOADER
 from vllm_deltasync.server.worker.shardmap import ShardMap
-
-from .conftest import RECORDED, TPWorld
 
 
 @pytest.mark.parametrize("rank", [0, 1])

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import vllm_deltasync.server.worker.apply as apply_mod
+from tests.helpers.tp_world import TPWorld, make_step, random_checkpoint, state_bits
 from vllm_deltasync.server.vllm.loaders import LOADER
 from vllm_deltasync.server.worker.apply import (
     INDEX_SPAN,
@@ -23,9 +24,6 @@ from vllm_deltasync.server.worker.apply import (
     staged_nbytes,
 )
 from vllm_deltasync.server.worker.shardmap import Piece, ShardMap, translate_all
-
-from .conftest import TPWorld, random_checkpoint, state_bits
-from .test_translate import make_step
 
 
 def _flat_of(piece: Piece) -> torch.Tensor:

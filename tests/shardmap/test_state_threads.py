@@ -21,12 +21,11 @@ from typing import Any
 import pytest
 import torch
 
+from tests.helpers.tp_world import TPWorld, live_checkpoint, target_rank
 from vllm_deltasync import DeltaPublisher
 from vllm_deltasync.config import SyncConfig
 from vllm_deltasync.server.messages import CommitOutcome
 from vllm_deltasync.server.worker.apply import checkpoint_digest, tensor_digest
-
-from .conftest import TPWorld, live_checkpoint, target_rank
 
 
 def _train(state: dict[str, torch.Tensor], gen: torch.Generator) -> None:

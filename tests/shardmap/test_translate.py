@@ -10,6 +10,14 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.helpers.tp_world import (
+    TPWorld,
+    assert_same_params,
+    make_step,
+    random_checkpoint,
+    sha256_bytes,
+    state_bits,
+)
 from vllm_deltasync.format.codec import TensorPatch
 from vllm_deltasync.server.vllm.loaders import LOADER
 from vllm_deltasync.server.worker.apply import (
@@ -19,51 +27,6 @@ from vllm_deltasync.server.worker.apply import (
     tensor_digest,
 )
 from vllm_deltasync.server.worker.shardmap import ShardMap, translate_all
-
-from .conftest import TPWorld, random_checkpoint, sha256_bytes, state_bits
-
-MODES = ("sparse", "relative", "dense", "runs", "relative_dense", "unchanged")
-
-
-def _bits_diff(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
-    diff = new.view(torch.int16).to(torch.int32) - old.view(torch.int16).to(torch.int32)
-    return (((diff + 32768) % 65536) - 32768).to(torch.int16)
-
-
-def make_step(
-    full: dict[str, torch.Tensor], step: int
-) -> tuple[list[TensorPatch], dict[str, torch.Tensor]]:
-    """One published step: a mix of encodings over the tensors, and the full result."""
-    gen = torch.Generator().manual_seed(1000 + step)
-    patches, after = [], {}
-    for i, name in enumerate(sorted(full)):
-        old = full[name]
-        flat = old.reshape(-1)
-        mode = MODES[(i + step) % len(MODES)]
-        new = flat.clone()
-        if mode in ("sparse", "relative"):
-            idx = (torch.rand(flat.numel(), generator=gen) < 0.05).nonzero().squeeze(1)
-            new[idx] = torch.randn(idx.numel(), generator=gen).to(torch.bfloat16)
-            values = _bits_diff(new[idx], flat[idx]) if mode == "relative" else new[idx].clone()
-            patches.append(TensorPatch(name, tuple(old.shape), idx, values, relative=mode == "relative"))
-        elif mode in ("dense", "runs", "relative_dense"):
-            new = torch.randn(flat.numel(), generator=gen).to(torch.bfloat16)
-            relative = mode == "relative_dense" or (mode == "runs" and step % 2 == 1)
-            values = _bits_diff(new, flat) if relative else new
-            cuts = [0, flat.numel()] if mode != "runs" else [0, 7, flat.numel() // 3 + 1, flat.numel()]
-            for a, b in zip(cuts, cuts[1:], strict=False):
-                patches.append(
-                    TensorPatch(name, tuple(old.shape), None, values[a:b].clone(), offset=a,
-                                relative=relative)
-                )
-        after[name] = new.reshape(old.shape)
-    return patches, after
-
-
-def assert_same_params(live: torch.nn.Module, ref: torch.nn.Module, where: str) -> None:
-    want = state_bits(ref)
-    for name, bits in state_bits(live).items():
-        assert torch.equal(bits, want[name]), f"{where}: {name} differs from vLLM's loader"
 
 
 @pytest.mark.parametrize("tp", [1, 2, 4, 8])

@@ -10,13 +10,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.helpers.tp_world import TPWorld, make_step, random_checkpoint, state_bits
 from vllm_deltasync.errors import ApplyError
 from vllm_deltasync.server.vllm.loaders import LOADER
 from vllm_deltasync.server.worker.apply import Undo, apply_patches, prepare
 from vllm_deltasync.server.worker.shardmap import Piece, ShardMap, translate_all
-
-from .conftest import TPWorld, random_checkpoint, state_bits
-from .test_translate import make_step
 
 
 def _undoable(patches: list) -> list:

@@ -18,10 +18,9 @@ from typing import Any
 
 import torch
 
+from tests.helpers.tp_world import TPWorld, live_checkpoint, target_rank
 from vllm_deltasync.config import SyncConfig
 from vllm_deltasync.server.worker.target import TargetRank
-
-from .conftest import TPWorld, live_checkpoint, target_rank
 
 
 def _rank(tp_world: TPWorld, tmp_path: Path) -> tuple[TargetRank, Any, dict[str, torch.Tensor]]:

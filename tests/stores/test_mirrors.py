@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.conftest import S3_CREDENTIALS, hub_origin
+from tests.helpers.transports import S3_CREDENTIALS, hub_origin
 from vllm_deltasync.errors import ConfigError
 from vllm_deltasync.format.layout import parse_data_path
 from vllm_deltasync.format.reader import BucketReader

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from tests.faults.conftest import Hostile
+from tests.helpers.faults import Hostile
 from vllm_deltasync.errors import ConfigError, FormatError
 from vllm_deltasync.stores import RetryPolicy, Store, open_store
 from vllm_deltasync.stores.hf import HfStore

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.trainer.conftest import LoraTrainer, bits, lora_model, snapshot, tiny_llama
+from tests.helpers.lora import LoraTrainer, bits, lora_model, snapshot, tiny_llama
 
 pytest.importorskip("peft", reason="the LoRA tests need peft (the 'lora' extra)")
 

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.trainer.conftest import VOCAB, LoraTrainer, bits, lora_model, tiny_llama
+from tests.helpers.lora import VOCAB, LoraTrainer, bits, lora_model, tiny_llama
 
 peft = pytest.importorskip("peft", reason="the LoRA tests need peft (the 'lora' extra)")
 

@@ -1,6 +1,6 @@
 """Sharded trainers: every rank publishes its own shards, one rank commits (docs/trainer.md).
 
-The multi-rank tests run ``tests/trainer/dist_worker.py`` under ``torchrun`` (gloo, CPU) in a
+The multi-rank tests run ``tests/helpers/dist_worker.py`` under ``torchrun`` (gloo, CPU) in a
 subprocess with a timeout; the worker saves the full model gathered in the test only, and here
 every committed step is materialized from the bucket and compared bit for bit.
 """
@@ -11,10 +11,6 @@ import asyncio
 import itertools
 import json
 import math
-import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -22,30 +18,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from tests.helpers.torchrun import torchrun
 from vllm_deltasync.format.manifest import Manifest, Region, fingerprint
 from vllm_deltasync.format.reader import BucketReader
 from vllm_deltasync.trainer.sharded import blocks, merge_parts
-
-REPO = Path(__file__).resolve().parents[2]
-WORKER = REPO / "tests" / "trainer" / "dist_worker.py"
-TORCHRUN = Path(sys.executable).with_name("torchrun")
-
-
-def _torchrun(nproc: int, *args: str, timeout: float = 180) -> None:
-    """Run the worker under torchrun; on a timeout the whole process group is killed."""
-    env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1", "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": str(REPO)}
-    proc = subprocess.Popen(
-        [str(TORCHRUN), "--standalone", "--nproc-per-node", str(nproc), str(WORKER), *args],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO, env=env,
-        start_new_session=True)
-    try:
-        output, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        output, _ = proc.communicate()
-        pytest.fail(f"torchrun ran past {timeout}s:\n{output[-6000:]}")
-    assert proc.returncode == 0, output[-8000:]
 
 
 def _read(url: str) -> tuple[dict[int, Manifest], dict[int, dict[str, torch.Tensor]], list[str]]:
@@ -165,7 +141,7 @@ def test_fsdp2_two_ranks_uneven_shard_restart_and_retention(tmp_path: Path) -> N
     foreign.parent.mkdir(parents=True)
     foreign.write_bytes(b"another job's data")
     url, out = f"file://{bucket}", tmp_path / "out"
-    _torchrun(2, "fsdp", url, str(out), "--steps", "6")
+    torchrun(2, "fsdp", url, str(out), "--steps", "6")
     manifests = _check_every_step(url, out)
     # anchors at 0 and 3 (run a), 6 (restart, run b); retention keeps the 2 newest anchors
     assert sorted(manifests) == [3, 4, 5, 6, 7, 8]
@@ -189,7 +165,7 @@ def test_shard1_replicate_plain_and_failpoint(tmp_path: Path) -> None:
     and a plain tensor (replicas written once); then a rank failing mid-step: no manifest for
     that step, a clear error on every rank at the same call, recovery by an anchor."""
     url, fail_url, out = f"file://{tmp_path}/b", f"file://{tmp_path}/f", tmp_path / "out"
-    _torchrun(2, "tp", url, str(out), "--steps", "6", "--timeout", "20", "--fail-url", fail_url)
+    torchrun(2, "tp", url, str(out), "--steps", "6", "--timeout", "20", "--fail-url", fail_url)
     manifests = _check_every_step(url, out)
     assert sorted(manifests) == list(range(6))
     assert [manifests[s].kind for s in range(6)] == ["anchor", "delta", "delta", "delta"] * 1 + ["anchor", "delta"]
@@ -220,7 +196,7 @@ def test_shard1_replicate_plain_and_failpoint(tmp_path: Path) -> None:
 def test_four_ranks_fsdp_x_tp_2d_mesh(tmp_path: Path) -> None:
     """4 ranks: a 2-D mesh (``Shard(0)`` over dp, ``Shard(1)`` over tp; ``Replicate`` over dp)."""
     url, out = f"file://{tmp_path}/b", tmp_path / "out"
-    _torchrun(4, "tp", url, str(out), "--steps", "4")
+    torchrun(4, "tp", url, str(out), "--steps", "4")
     manifests = _check_every_step(url, out)
     assert sorted(manifests) == [0, 1, 2, 3]
     m = manifests[0]
@@ -234,7 +210,7 @@ def test_ranks_holding_a_parameter_differently_fail_the_publish_on_every_rank(tm
     that call naming ``w`` and both placements, nothing of the step is committed, and the next
     step (placed alike) is an anchor that reads back bit for bit."""
     url, out = f"file://{tmp_path}/b", tmp_path / "out"
-    _torchrun(2, "placement", url, str(out), "--timeout", "20")
+    torchrun(2, "placement", url, str(out), "--timeout", "20")
     reports = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
     for rank, report in enumerate(reports):
         (error,) = report["errors"]

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.engine.conftest import requires_vllm
+from tests.helpers.engines import requires_vllm
 from vllm_deltasync.format.layout import manifest_path
 from vllm_deltasync.format.manifest import Manifest
 

@@ -1,4 +1,5 @@
-"""Shared helpers for the format, publisher, reader and CLI tests.
+"""A stand-in trainer and its bucket: the publishing helpers of the format, trainer, CLI and
+fault tests.
 
 ``Trainer`` stands in for an optimizer: fp32 master weights shaped like a small transformer,
 updated each step by an Adam-like step (``lr * sign``); at the default lr about 1% of the
@@ -12,18 +13,15 @@ import os
 import subprocess
 import sys
 import threading
-import types
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import pytest
 import torch
 
 from vllm_deltasync.errors import TransientStoreError
 from vllm_deltasync.format.manifest import merge_ranges
 from vllm_deltasync.format.reader import BucketReader
-from vllm_deltasync.stores import register_store
 from vllm_deltasync.stores.local import LocalStore
 
 REPO = Path(__file__).resolve().parents[2]
@@ -81,16 +79,12 @@ def run_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str
                           cwd=REPO, env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"})
 
 
-def run_python(code: str, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True,
-                          timeout=timeout, cwd=REPO)
-
-
 class GatedStore(LocalStore):
     """A local store whose writes can be held or made to fail (fault injection for tests).
 
     ``gated://NAME/path``: ``GATES[NAME]`` (a threading.Event) must be set before a write
-    proceeds; ``FAIL_MANIFEST[NAME]`` = a step whose manifest write fails once.
+    proceeds; ``FAIL_MANIFEST[NAME]`` = a step whose manifest write fails once. A test module
+    that uses it registers the scheme: ``register_store("gated", *GATED)``.
     """
 
     scheme = "gated"
@@ -117,16 +111,8 @@ class GatedStore(LocalStore):
         await super().write(path, data, overwrite=overwrite)
 
 
-# A module of its own, so the registry finds the class whatever name pytest gives conftest.
-_MODULE = types.ModuleType("_deltasync_format_test_stores")
-_MODULE.GatedStore = GatedStore  # type: ignore[attr-defined]
-sys.modules[_MODULE.__name__] = _MODULE
-register_store("gated", _MODULE.__name__, "GatedStore")
-
-
-@pytest.fixture
-def bucket(tmp_path: Path) -> str:
-    return f"file://{tmp_path / 'bucket'}"
+GATED = (__name__, "GatedStore")
+"""Where the store registry finds :class:`GatedStore` (``register_store("gated", *GATED)``)."""
 
 
 def data_dirs(root: Path) -> list[str]:

@@ -1,8 +1,9 @@
-"""Whether this host runs a stock vLLM engine of one kind: ``python -m tests.host_probe KIND DIR``.
+"""Whether this host runs a stock vLLM engine of one kind:
+``python -m tests.helpers.host_probe KIND DIR``.
 
-Started once per test session and kind by tests/conftest.py (``engine_probe``), only when a
+Started once per test session and kind by tests/helpers/hosts.py (``engine_probe``), only when a
 test that needs that kind runs. The engine is vLLM's own, as a user without deltasync starts
-it: tests/conftest.py sets ``VLLM_PLUGINS`` to a name no plugin has and drops every
+it: tests/helpers/hosts.py sets ``VLLM_PLUGINS`` to a name no plugin has and drops every
 ``VLLM_DELTASYNC_*`` variable. Its engine core and worker run in this process
 (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so a kernel the CPU traps kills this process with
 SIGILL, and faulthandler prints the Python frames it died in.

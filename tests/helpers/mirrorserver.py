@@ -1,7 +1,7 @@
 """Mirrors for the tests and the fleet benchmark: a real nginx cache, and mirrors that fail.
 
-Imported by ``tests/conftest.py`` (and loaded by path by ``benchmarks/bench_fleet.py``); it is
-not a test module.
+Started by the mirror fixtures of ``tests/conftest.py`` (and loaded by path by
+``benchmarks/bench_fleet.py``); it is not a test module.
 
 * :class:`NginxMirror`: nginx on loopback, configured from ``deploy/nginx/``'s template (the
   config users deploy is the one tested), in its own temporary directory with its own cache.

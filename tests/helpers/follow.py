@@ -3,8 +3,8 @@
 ``Follower`` runs the real poller (the rank's ``Poller`` and ``SyncState``) against a real
 bucket; it takes the staged steps, checks them with the rank's own chain check
 (``switching.check_chain``, what ``RankSwitch.apply`` runs before it writes anything) and writes
-them into a dict of live tensors. The ``follower_factory`` fixture (tests/server/conftest.py)
-starts followers and closes them after the test.
+them into a dict of live tensors. The ``follower_factory`` fixture
+(tests/server/conftest.py) starts followers and closes them after the test.
 """
 
 from __future__ import annotations
@@ -27,29 +27,33 @@ from vllm_deltasync.server.worker.switching import check_chain
 Weights = dict[str, torch.Tensor]
 
 
-def _weights(seed: int) -> Weights:
+def seeded_weights(seed: int) -> Weights:
+    """Two small bf16 tensors (a matrix and a norm-like vector) from ``seed``."""
     g = torch.Generator().manual_seed(seed)
     return {"w": (torch.randn(64, 48, generator=g) * 0.02).bfloat16(),
             "b": (1 + 0.1 * torch.randn(96, generator=g)).bfloat16()}
 
 
-def _train(w: Weights, g: torch.Generator) -> None:
+def train(w: Weights, g: torch.Generator) -> None:
+    """One step: 5% of the elements of each tensor move by one ulp, in place."""
     for t in w.values():
         bits = t.view(torch.int16).reshape(-1)
         bits[torch.rand(bits.numel(), generator=g) < 0.05] += 1
 
 
-def _copy(w: Weights) -> Weights:
+def clone(w: Weights) -> Weights:
     return {k: v.clone() for k, v in w.items()}
 
 
-def _publish(pub: DeltaPublisher, w: Weights, g: torch.Generator, steps: range,
-             truth: dict[int, Weights]) -> None:
+def publish_steps(pub: DeltaPublisher, w: Weights, g: torch.Generator, steps: range,
+                  truth: dict[int, Weights]) -> None:
+    """Train ``w`` one step per step of ``steps``, publish and flush each, record it in
+    ``truth``."""
     for step in steps:
-        _train(w, g)
-        pub.publish(step, _copy(w).items())
+        train(w, g)
+        pub.publish(step, clone(w).items())
         pub.flush()
-        truth[step] = _copy(w)
+        truth[step] = clone(w)
 
 
 def remove_steps(root: Path, steps: list[int]) -> None:

@@ -1,6 +1,7 @@
-"""One rank of a sharded training job, run under ``torchrun`` by tests/trainer (CPU, gloo).
+"""One rank of a sharded training job, run under ``torchrun`` (CPU, gloo) by
+``tests/helpers/torchrun.py`` for the sharded trainer's tests and the engine that follows one.
 
-    torchrun --nproc-per-node 2 tests/trainer/dist_worker.py SCENARIO URL OUT [--init DIR] [--fail-url URL2]
+    torchrun --nproc-per-node 2 tests/helpers/dist_worker.py SCENARIO URL OUT [--init DIR] [--fail-url URL2]
 
 Scenarios:
 

@@ -1,7 +1,8 @@
 """A local Hugging Face Storage Buckets server (aiohttp) for the store tests and the benchmark.
 
-Imported only by ``tests/stores/conftest.py`` (and loaded by path by ``benchmarks/``); it is
-not a test module. It speaks the bucket protocol of REFERENCE.md §4 on two loopback origins:
+Started by the ``hub_server`` fixture of ``tests/conftest.py`` (and loaded by path by
+``benchmarks/``); it is not a test module. It speaks the bucket protocol of REFERENCE.md §4 on
+two loopback origins:
 
 * API origin (127.0.0.1): ``GET /api/buckets/{id}`` (info), ``GET .../tree/{prefix}`` paged by
   ``Link: <...>; rel="next"``, ``POST .../paths-info``, ``POST .../batch`` (ndjson, as sent by

@@ -1,4 +1,4 @@
-"""Shared helpers of the trainer tests: tiny PEFT models built and trained here (no download)."""
+"""Tiny PEFT models built and trained here (no download): the LoRA tests of the trainer."""
 
 from __future__ import annotations
 

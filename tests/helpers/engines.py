@@ -1,0 +1,267 @@
+"""Real vLLM engines as the tests outside ``tests/engine/`` use them too (the faults' engine
+rows, the monitoring's real Prometheus, the drafter's reference engines): the trainer that
+publishes, the engine's environment, an engine built in this process or vLLM's API server in a
+child, what an engine generates and what its ranks applied. ``tests/engine/conftest.py``
+imports these back for its own tests and holds what only they use.
+
+Nothing here imports vLLM at module level: modules that import this one are collected where
+vLLM is not installed and skip through :data:`requires_vllm`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from examples.toymodel import load_hf_model
+from tests.helpers.net import free_port
+
+EXTENSION = "vllm_deltasync.DeltaSyncExtension"
+
+
+def has_vllm() -> bool:
+    try:
+        import vllm  # noqa: F401
+    except Exception:  # noqa: BLE001
+        return False
+    return True
+
+
+requires_vllm = pytest.mark.skipif(not has_vllm(), reason="vllm is not installed")
+
+
+class Trainer:
+    """Real AdamW steps in bf16 on a locally built model (what an RL trainer publishes)."""
+
+    def __init__(self, model_dir: Path, *, lr: float = 2e-4, seed: int = 0) -> None:
+        self.model = load_hf_model(model_dir)
+        self.model.train()
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=0.0)
+        self.gen = torch.Generator().manual_seed(seed)
+        self.vocab = self.model.config.vocab_size
+        self.tokenizer_dir = model_dir
+
+    def step(self) -> None:
+        ids = torch.randint(2, self.vocab, (4, 32), generator=self.gen)
+        loss = self.model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+
+    def named_tensors(self) -> list[tuple[str, torch.Tensor]]:
+        return [(n, p.detach()) for n, p in self.model.named_parameters()]
+
+    def save(self, out_dir: Path) -> Path:
+        """A servable checkpoint of the current weights (config, safetensors, tokenizer)."""
+        import shutil
+
+        self.model.save_pretrained(out_dir, safe_serialization=True)
+        for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+            shutil.copy(self.tokenizer_dir / f, out_dir / f)
+        return out_dir
+
+
+@contextlib.contextmanager
+def engine_env(
+    tmp: Path, tp: int, extra: dict[str, str] | None = None, **deltasync: Any
+) -> Iterator[None]:
+    """Environment for one vLLM engine: private cache/IPC dirs, small KV cache, deltasync vars
+    (``extra``: more variables, e.g. where a network bucket's server is)."""
+    env = engine_vars(tmp, tp)
+    rpc = env["VLLM_RPC_BASE_PATH"]
+    env.update(extra or {})
+    env.update({f"VLLM_DELTASYNC_{k.upper()}": str(v) for k, v in deltasync.items()})
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    _fresh_vllm_envs()
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        _fresh_vllm_envs()
+        import shutil
+
+        shutil.rmtree(rpc, ignore_errors=True)
+
+
+def engine_vars(tmp: Path, tp: int) -> dict[str, str]:
+    """The variables every test engine runs with: private cache and IPC dirs (a new one under
+    /tmp: unix socket paths must stay under 107 bytes), a small KV cache, one core per rank."""
+    import tempfile
+
+    return {
+        "VLLM_CACHE_ROOT": str(tmp / "vllm-cache"),
+        "VLLM_RPC_BASE_PATH": tempfile.mkdtemp(prefix="vrpc"),
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "VLLM_CPU_OMP_THREADS_BIND": "0|1" if tp == 2 else "0",
+        "TOKENIZERS_PARALLELISM": "false",
+    }
+
+
+def _fresh_vllm_envs() -> None:
+    """vLLM freezes its environment variables in the process that builds an engine core
+    (``vllm.envs.enable_envs_cache``): the in-process engine core does so in the test process,
+    and every later test's variables (``VLLM_ENABLE_V1_MULTIPROCESSING``, ``VLLM_RPC_BASE_PATH``,
+    ...) would be ignored. Read them afresh for each engine."""
+    try:
+        import vllm.envs
+    except ImportError:
+        return
+    vllm.envs.disable_envs_cache()
+
+
+def make_llm(model_dir: Path, tp: int, *, extension: bool) -> Any:
+    from vllm import LLM
+
+    kw: dict[str, Any] = {"worker_extension_cls": EXTENSION} if extension else {}
+    return LLM(model=str(model_dir), tensor_parallel_size=tp, enforce_eager=True,
+               max_model_len=1024, dtype="bfloat16", seed=0, enable_prefix_caching=True,
+               max_num_seqs=8, **kw)
+
+
+def close_llm(llm: Any) -> None:
+    with contextlib.suppress(Exception):
+        llm.llm_engine.engine_core.shutdown()
+    del llm
+    gc.collect()
+
+
+def engine_status(llm: Any) -> dict[str, Any]:
+    return llm.llm_engine.engine_core.call_utility("deltasync_engine_status")
+
+
+def digests_equal_checkpoint(llm: Any, ckpt: Path) -> bool:
+    """Every rank's live weights equal the safetensors checkpoint ``ckpt`` (per-rank digests of
+    the elements it holds; every rank must report some)."""
+    live = llm.collective_rpc("deltasync_weight_digests")
+    want = llm.collective_rpc("deltasync_checkpoint_digests", args=(str(ckpt),))
+    return bool(live) and all(live) and live == want
+
+
+def wait_applied(llm: Any, step: int, timeout_s: float = 60.0) -> list[dict[str, Any]]:
+    """Wait until every rank reports ``step`` applied (the engine switches by itself)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        statuses = llm.collective_rpc("deltasync_status")
+        if all(s["applied_step"] == step for s in statuses):
+            return statuses
+        if time.monotonic() > deadline:
+            raise AssertionError(f"step {step} not applied after {timeout_s}s: {statuses}")
+        time.sleep(0.1)
+
+
+def long_prompts(n: int = 3, words: int = 160, seed: int = 0) -> list[str]:
+    """Prompts longer than one 128-token KV block, so prefix-cache blocks fill."""
+    import random
+
+    rng = random.Random(seed)
+    vocab = ["the", "policy", "reward", "model", "step", "update", "weight", "bucket", "server", "rollout", "trainer", "value", "batch", "sample", "prompt", "answer", "river", "mountain", "city", "house", "garden", "window"]
+    return [" ".join(rng.choice(vocab) for _ in range(words)) for _ in range(n)]
+
+
+def generate(llm: Any, prompts: list[Any]) -> list[dict[str, Any]]:
+    """Greedy continuation with its tokens' logprobs (``logprobs``; this request reads the
+    prefix cache: ``cached`` is vLLM's ``num_cached_tokens``), and prompt logprobs (a request
+    that never reads the cache): what must match a fresh engine. ``prompts``: strings, or
+    vLLM prompt dicts (``{"prompt_token_ids": [...]}``)."""
+    from vllm import SamplingParams
+
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, logprobs=0)
+    plp = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
+    out = []
+    for g, p in zip(llm.generate(prompts, greedy, use_tqdm=False),
+                    llm.generate(prompts, plp, use_tqdm=False), strict=True):
+        lps = [next(iter(d.values())).logprob for d in p.prompt_logprobs[1:]]
+        out.append({"tokens": list(g.outputs[0].token_ids), "prompt_logprobs": lps,
+                    "logprobs": token_logprobs(g.outputs[0]), "cached": g.num_cached_tokens,
+                    "weight_versions": g.outputs[0].weight_versions})
+    return out
+
+
+def token_logprobs(completion: Any) -> list[float]:
+    """The logprob of each sampled token of a vLLM ``CompletionOutput`` (``logprobs=0``)."""
+    return [lp[tok].logprob for tok, lp in zip(completion.token_ids, completion.logprobs,
+                                               strict=True)]
+
+
+@dataclass
+class ApiServer:
+    """A running ``vllm.entrypoints.launchers.api_server.entry`` process with the extension."""
+
+    url: str
+    proc: subprocess.Popen[bytes]
+    log: Path
+
+    def log_tail(self) -> str:
+        """The log's last 4000 characters, after every deltasync line of the whole log (vLLM's
+        route listing alone fills the tail, and the reason a test failed is often earlier)."""
+        text = self.log.read_text(errors="replace")
+        ours = [ln for ln in text.splitlines() if "deltasync" in ln.lower()][-40:]
+        return "deltasync lines:\n" + "\n".join(ours) + "\n--- log tail:\n" + text[-4000:]
+
+
+@contextlib.contextmanager
+def api_server(
+    tmp: Path, model_dir: Path, env: dict[str, str], *, max_model_len: int = 512,
+    extra_args: tuple[str, ...] = (),
+) -> Iterator[ApiServer]:
+    """Start vLLM's API server on a free loopback port with ``--worker-extension-cls`` and
+    ``env`` (the ``VLLM_DELTASYNC_*`` settings) on top of this process's environment, plus
+    ``extra_args``; yield once ``/health`` answers; terminate it on exit."""
+    import tempfile
+
+    port = free_port()
+    rpc = tempfile.mkdtemp(prefix="vrpc")  # unix socket paths must stay under 107 bytes
+    full_env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1",
+                "VLLM_CACHE_ROOT": str(tmp / "vllm-cache"), "VLLM_RPC_BASE_PATH": rpc, **env}
+    log_path = tmp / "server.log"
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "vllm.entrypoints.launchers.api_server.entry",
+             "--model", str(model_dir), "--port", str(port), "--host", "127.0.0.1",
+             "--worker-extension-cls", EXTENSION, "--enforce-eager",
+             "--max-model-len", str(max_model_len), "--max-num-seqs", "4", "--dtype", "bfloat16",
+             *extra_args],
+            env=full_env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    server = ApiServer(f"http://127.0.0.1:{port}", proc, log_path)
+    try:
+        deadline = time.monotonic() + 240
+        while True:  # the engine core (and /synced) can be up before the API server listens
+            if proc.poll() is not None:
+                pytest.fail("API server exited:\n" + server.log_tail())
+            if time.monotonic() > deadline:
+                pytest.fail("API server not healthy after 240 s:\n" + server.log_tail())
+            try:
+                with urllib.request.urlopen(server.url + "/health", timeout=2) as resp:
+                    if resp.status == 200:
+                        break
+            except OSError:
+                pass
+            time.sleep(0.5)
+        yield server
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        import shutil
+
+        shutil.rmtree(rpc, ignore_errors=True)
