@@ -16,6 +16,8 @@ import textwrap
 import warnings
 from pathlib import Path
 
+from tests.helpers import layout
+
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "vllm_deltasync"
 DOC = ROOT / "docs" / "architecture.md"
@@ -404,3 +406,62 @@ def test_the_import_rule_catches_a_wrong_import() -> None:
     assert "stores/nodecache.py imports format/layout.py" in _against({"stores": {""}})
     assert any(line.startswith("server/") and "format/reader.py" in line
                for line in _against({"server": {"", "stores"}}))
+
+
+# -- the tests mirror the package (issue 34, item 7; docs/architecture.md, Tests) ---------------
+
+
+def test_every_test_module_is_in_the_folder_of_what_it_tests() -> None:
+    wrong = layout.misplaced()
+    assert not wrong, ("test modules outside the folder that mirrors what they test (move them, "
+                       "or name a cross-cutting folder in tests/helpers/layout.py and "
+                       "docs/architecture.md, Tests):\n" + "\n".join(wrong))
+
+
+def test_the_layout_scan_sees_what_a_test_imports() -> None:
+    """The scan itself: a re-export counts for its defining module, a helper for what it wraps,
+    and a module in the wrong folder is reported with the folders that fit."""
+    tests = layout.TESTS
+    assert "vllm_deltasync.trainer.publisher" in layout.package_modules_imported(
+        tests / "trainer" / "test_publisher.py")  # from vllm_deltasync import DeltaPublisher
+    assert "vllm_deltasync.server.worker.poller" in layout.package_modules_imported(
+        tests / "server" / "worker" / "test_discovery_limits.py")  # through tests.helpers.follow
+    assert layout.package_folder("vllm_deltasync.server.worker.poller") == "server/worker"
+    assert layout.package_folder("vllm_deltasync.server.worker") == "server/worker"
+    assert layout.package_folder("vllm_deltasync._jit") == ""
+    assert layout.mirrored_folders() >= {"format", "stores", "trainer", "cli", "server",
+                                         "server/worker", "server/engine", "server/api"}
+
+
+def test_the_cross_cutting_folders_are_the_documented_ones() -> None:
+    section = DOC.read_text(encoding="utf-8").split("\n## Tests\n", 1)[1]
+    documented = set(re.findall(r"^\| `tests/([a-z_]+)/` \|", section, re.MULTILINE))
+    assert documented == set(layout.CROSS_CUTTING) - {""}
+    assert all((layout.TESTS / name).is_dir() for name in documented)
+
+
+def test_no_test_module_imports_another() -> None:
+    """Test modules and conftests import from tests/ only ``tests.helpers`` (a conftest holds
+    fixtures built from it); helpers import only helpers."""
+    modules = [*layout.all_test_modules(), *sorted(layout.TESTS.rglob("conftest.py"))]
+    offenders = {str(p.relative_to(layout.TESTS)): bad for p in modules
+                 if (bad := layout.tests_imported(p))}
+    for helper in sorted((layout.TESTS / "helpers").glob("*.py")):
+        bad = [m for m in layout.tests_imported(helper) if not m.startswith(".")]
+        if bad:
+            offenders[str(helper.relative_to(layout.TESTS))] = bad
+    assert not offenders, f"imports of test modules or conftests (move to tests/helpers/): {offenders}"
+
+
+def test_the_import_scan_sees_a_test_importing_a_test(tmp_path: Path) -> None:
+    sample = tmp_path / "test_sample.py"
+    sample.write_text("from .conftest import x\nfrom tests.server import test_a\n"
+                      "import tests.format.test_b\nfrom tests import helpers\n"
+                      "from tests.helpers.net import free_port\n")
+    assert layout.tests_imported(sample) == [".conftest", "tests.server", "tests.format.test_b"]
+
+
+def test_every_test_path_named_in_the_docs_exists() -> None:
+    missing = layout.missing_test_paths()
+    assert not missing, "tests/... paths named but not there (moved? update the text):\n" + \
+        "\n".join(missing)

@@ -6,7 +6,7 @@ rank digests with the last good step); the fault is counted with a bounded label
 name); the CLI prints one line and exits nonzero without a traceback; planted secrets appear in
 no log, exception, status or CLI output. Misbehaving servers are real: a small aiohttp server on
 127.0.0.1 (``conftest.Hostile``) and the local Hub server's fault switches
-(tests/stores/hubserver.py). Nothing sends traffic off loopback.
+(tests/helpers/hubserver.py). Nothing sends traffic off loopback.
 
 =====================================================  ==========================================
 row (file :: test)                                     fault -> what holds

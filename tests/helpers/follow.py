@@ -4,7 +4,7 @@
 bucket; it takes the staged steps, checks them with the rank's own chain check
 (``switching.check_chain``, what ``RankSwitch.apply`` runs before it writes anything) and writes
 them into a dict of live tensors. The ``follower_factory`` fixture
-(tests/server/conftest.py) starts followers and closes them after the test.
+(tests/server/worker/conftest.py) starts followers and closes them after the test.
 """
 
 from __future__ import annotations

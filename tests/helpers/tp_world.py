@@ -1,5 +1,5 @@
 """vLLM's own model classes at any TP rank, without an engine (the rank's shard-map, apply and
-staging tests; the ``tp_world`` fixture is in tests/shardmap/conftest.py).
+staging tests; the ``tp_world`` fixture is in tests/server/worker/conftest.py).
 
 vLLM's layers read their rank from ``get_tp_group().world_size / .rank_in_group``. We start a
 single-process gloo world (``init_distributed_environment`` + ``initialize_model_parallel``),
@@ -49,7 +49,7 @@ SEVEN_B: dict[str, tuple[str, dict[str, Any]]] = {
         vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_attention_heads=28,
         num_key_value_heads=4, num_hidden_layers=28)),
 }
-RECORDED = Path(__file__).resolve().parents[1] / "shardmap" / "data"
+RECORDED = Path(__file__).resolve().parents[1] / "data" / "shardmaps"
 """The recorded 7B-shaped shard maps (``test_recorded_maps.py`` writes, the GPU test reads)."""
 
 VLLM_CLASSES = {

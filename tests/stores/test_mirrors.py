@@ -5,7 +5,7 @@ server (its resolve call answers 302 to a second origin, the CDN: the mirror fol
 final bytes) and in front of moto's S3 server. Replicas are real ``BucketReader`` s: the origin
 must never see a second download of an object the mirror holds, and the bytes must rebuild the
 trainer's weights. Mirrors that fail on purpose (corrupt bytes, nothing listening, a hang, a
-trickle; ``tests/stores/mirrorserver.py``) are each survived: the origin serves, nothing wrong is
+trickle; ``tests/helpers/mirrorserver.py``) are each survived: the origin serves, nothing wrong is
 returned, the outcome is counted and the mirror is skipped afterwards.
 """
 

@@ -1,7 +1,7 @@
 """The vLLM boundary: the only code of the package that imports vLLM or reaches into it.
 
 - ``surface.py``: every vLLM symbol touched, why, what happens without it, and the check of
-  that table against any vLLM source (engine start, ``tests/server/test_vllm_surface.py``,
+  that table against any vLLM source (engine start, ``tests/server/vllm/test_surface.py``,
   ``scripts/check_vllm.py``).
 - ``plugin.py``: the ``vllm.general_plugins`` entry point (guarded patches of the engine core's
   ``__init__`` and busy loops, and of the CPU GEMM dispatch on the CPU platform).

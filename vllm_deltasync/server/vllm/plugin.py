@@ -25,7 +25,7 @@ a registry already holding ``deltasync`` is left alone).
 
 With ``WorkerProc._execute_worker_rpc`` (installed by a worker of an engine naming the
 extension, ``worker.py``) these are the five class- or module-level patches of the package
-(:data:`PATCHES`; tests/server/test_plugin_guard.py counts them).
+(:data:`PATCHES`; tests/server/vllm/test_plugin_guard.py counts them).
 
 ``VLLM_PLUGINS``: vLLM runs this entry point only when that allowlist is unset or names
 ``deltasync``; the endpoint plugin is handed to vLLM's loader under the same condition. A

@@ -83,7 +83,7 @@ def _ep_model(world: TPWorld, family: str) -> tuple[str, dict[str, Any]]:
 
 @pytest.fixture(scope="module")
 def ep_world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TPWorld]:
-    """``tp_world`` (tests/shardmap/conftest.py) with the parallel state started under a MoE
+    """``tp_world`` (tests/server/worker/conftest.py) with the parallel state started under a MoE
     config, so vLLM also creates its expert-parallel group."""
     pytest.importorskip("vllm")
     world = TPWorld(tmp_path_factory.mktemp("ep"))

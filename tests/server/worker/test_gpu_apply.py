@@ -24,7 +24,7 @@ from vllm_deltasync.format.codec import TensorPatch
 from vllm_deltasync.server.worker.apply import apply_patches, prepare
 from vllm_deltasync.server.worker.shardmap import ShardMap
 
-DATA = Path(__file__).parent / "data"
+DATA = Path(__file__).resolve().parents[2] / "data" / "shardmaps"
 LAYERS = {"llama2_7b": 32, "qwen2_7b": 28}
 DENSITY = 0.01
 

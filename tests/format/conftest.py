@@ -1,4 +1,4 @@
-"""Fixtures of the codec tests."""
+"""Fixtures of the format tests: a seeded generator for the codec round trips."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Red team round 3 (issue 36), the server's rows A1 and A2 (S1, S10, S11 and A3 are tested
-beside the code they concern: tests/shardmap/test_drafter_prefix.py,
-tests/server/test_http_versions.py, tests/server/test_weight_transfer_unit.py)."""
+beside the code they concern: tests/server/worker/test_drafter_prefix.py,
+tests/server/api/test_http_versions.py, tests/server/engine/test_weight_transfer_unit.py)."""
 
 from __future__ import annotations
 

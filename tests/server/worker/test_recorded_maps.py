@@ -1,8 +1,8 @@
 """The 7B-shaped shard maps the GPU test replays are what vLLM's loaders produce today.
 
-``tests/shardmap/data/<model>_tp2_rank<r>.json`` hold :meth:`ShardMap.to_json` of a one-layer
+``tests/data/shardmaps/<model>_tp2_rank<r>.json`` hold :meth:`ShardMap.to_json` of a one-layer
 Llama-2-7B / Qwen2-7B at TP=2, derived here from the real vLLM classes. Regenerate them with
-``DELTASYNC_RECORD_SHARDMAPS=1 pytest tests/shardmap/test_recorded_maps.py``.
+``DELTASYNC_RECORD_SHARDMAPS=1 pytest tests/server/worker/test_recorded_maps.py``.
 """
 
 from __future__ import annotations
