@@ -12,7 +12,6 @@ branch must never be written onto them.
 from __future__ import annotations
 
 import shutil
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -28,6 +27,7 @@ from tests.helpers.follow import (
     seeded_weights,
     train,
 )
+from tests.helpers.waiting import wait_until
 from vllm_deltasync import DeltaPublisher
 from vllm_deltasync.errors import ChainError
 from vllm_deltasync.format.layout import manifest_path
@@ -168,11 +168,11 @@ def test_loaded_step_takes_the_bucket_identity_and_refuses_another_run(
     doc["base_id"] = manifest_identity((root / manifest_path(1)).read_bytes())
     doc["run_id"] = "feedfacefeedface"
     (root / manifest_path(2)).write_bytes(dump_document(doc))
-    time.sleep(1.0)
+    wait_until(lambda: "never crosses runs" in (f.poller.status().last_error or ""), 10,
+               "the poller refusing step 2 of another run", status=f.poller.status)
     f.apply_ready()
     status = f.poller.status()
     assert status.applied_step == 1 and status.ready_steps == ()
-    assert "never crosses runs" in (status.last_error or "")
     assert all(torch.equal(f.live[k], truth[1][k]) for k in truth[1])
 
 
