@@ -141,7 +141,7 @@ class _Responder:
                                                self._demand[1]),
                                  {"Retry-After": "1", HEADER: current})
                 return
-            if inject(body, by_choice):
+            if inject(body, by_choice, in_flight=self._state.in_flight):
                 data = json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
         start = dict(self._start)
         start["headers"] = _with_header(start.get("headers", ()), header_value(versions),
@@ -173,7 +173,8 @@ class _Responder:
             obj = json.loads(payload)
         except ValueError:
             return event
-        if isinstance(obj, dict) and inject(obj, self._calls.by_choice(), chunk=True):
+        if isinstance(obj, dict) and inject(obj, self._calls.by_choice(), chunk=True,
+                                            in_flight=self._state.in_flight):
             return b"data: " + json.dumps(obj, ensure_ascii=False,
                                           separators=(",", ":")).encode()
         return event

@@ -131,10 +131,13 @@ def tagged(by_choice: Mapping[int, list[dict[str, Any]]]) -> list[dict[str, Any]
 
 
 def inject(body: dict[str, Any], by_choice: Mapping[int, list[dict[str, Any]]], *,
-           chunk: bool = False) -> bool:
+           chunk: bool = False, in_flight: str | None = None) -> bool:
     """Add the spans to a response object or a streamed ``chunk``: to each choice in
     ``by_choice`` (a chunk: only the choices it finishes) that lacks them, and at the top
-    level. False when the object has no choice to annotate."""
+    level. A choice whose tokens came from more than one version also says what its running
+    sequence did at the switch (``in_flight``: ``keep_kv``, ``continue``, ``drain``: the
+    server's mode, docs/extension.md "Switch semantics"). False when the object has no choice
+    to annotate."""
     choices = body.get("choices")
     if not isinstance(choices, list):
         return False
@@ -150,6 +153,8 @@ def inject(body: dict[str, Any], by_choice: Mapping[int, list[dict[str, Any]]], 
             continue
         if not choice.get("weight_versions"):
             choice["weight_versions"] = spans
+        if in_flight and len({str(s.get("version")) for s in spans}) > 1:
+            choice["in_flight"] = in_flight
         annotated[index] = spans
     if not annotated:
         return False
@@ -171,6 +176,9 @@ class Engine(Protocol):
 
     wait_s: float
     """``min_version_wait_s``."""
+
+    in_flight: str
+    """The server's ``in_flight`` mode, stated in each choice a switch crossed."""
 
     async def current(self) -> str:
         """The weight version the engine reports now."""

@@ -41,9 +41,10 @@ class VersionState:
     from vLLM's engine client. Built by :class:`DeltaSyncEndpoints` once the API server has
     one."""
 
-    def __init__(self, engine_client: Any, wait_s: float) -> None:
+    def __init__(self, engine_client: Any, wait_s: float, in_flight: str) -> None:
         self.client = engine_client
         self.wait_s = wait_s
+        self.in_flight = in_flight
 
     async def current(self) -> str:
         """The weight version the engine reports now (``"mixed"`` while the engines of a data
@@ -146,7 +147,8 @@ class DeltaSyncEndpoints:
         self.attached = True
 
     async def init_state(self, engine_client: Any, state: Any, args: Any) -> None:
-        """Keep the engine client (its ``generate`` tapped on the instance) and the wait bound."""
+        """Keep the engine client (its ``generate`` tapped on the instance), the wait bound and
+        the ``in_flight`` mode."""
         del state
         if not self.attached or engine_client is None:
             return
@@ -160,13 +162,13 @@ class DeltaSyncEndpoints:
             except ValueError:
                 additional = None
         try:
-            wait_s = SyncConfig.from_sources(
-                additional if isinstance(additional, Mapping) else None,
-                os.environ).min_version_wait_s
+            config = SyncConfig.from_sources(
+                additional if isinstance(additional, Mapping) else None, os.environ)
+            wait_s, in_flight = config.min_version_wait_s, config.in_flight
         except DeltaSyncError:  # the engine core refuses and says why; admission still works
-            wait_s = SyncConfig.min_version_wait_s
+            wait_s, in_flight = SyncConfig.min_version_wait_s, SyncConfig.in_flight
         tap_generate(engine_client)
-        self.state = VersionState(engine_client, wait_s)
+        self.state = VersionState(engine_client, wait_s, in_flight)
 
 
 __all__ = ["DeltaSyncEndpoints", "VersionState", "tap_generate"]
