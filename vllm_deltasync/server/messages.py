@@ -376,9 +376,13 @@ class TargetReport:
     """Why this target's ranks resync through an anchor (the policy's hold stops scheduling)."""
     holds: tuple[Mapping[str, Any], ...] = ()
     ranks: tuple[Mapping[str, Any], ...] = ()
+    versions: tuple[tuple[int, int], ...] = ()
+    """A target whose steps are versions kept side by side: (step, adapter id) of each version
+    requests may use now (``server/engine/versions.py``)."""
 
     def to_wire(self) -> dict[str, Any]:
-        return {"switches": [s.to_wire() for s in self.switches], "failures": self.failures,
+        return {"versions": [list(v) for v in self.versions],
+                "switches": [s.to_wire() for s in self.switches], "failures": self.failures,
                 "last_error": self.last_error, "max_wait_ticks": self.max_wait_ticks,
                 "ticks": self.ticks, "held": self.held,
                 "holds": [dict(h) for h in self.holds], "ranks": [dict(r) for r in self.ranks]}
