@@ -36,10 +36,13 @@ from examples.toymodel import build_model, load_hf_model
 from vllm_deltasync import DeltaPublisher
 
 from .conftest import (
+    EXTENSION,
     LORA_PROMPTS,
     AdapterSource,
     ApiServer,
     api_server,
+    close_llm,
+    engine_env,
     free_port,
     get_json,
     lora_complete,
@@ -189,3 +192,145 @@ def test_tp1_server_follows_three_adapters(lora_run: LoraRun,
     assert status == 200, body
     code, synced = get_json(metrics + "/synced?model=main")
     assert code == 200 and synced["synced"], synced
+
+
+def _gpt2_model(out: Path) -> Path:
+    """A tiny GPT-2 checkpoint: its attention is ``c_attn``, a module a Llama has no LoRA
+    layer for."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(n_embd=64, n_layer=1, n_head=2, vocab_size=100, n_positions=64)
+    GPT2LMHeadModel(config).save_pretrained(out)
+    return out
+
+
+@requires_vllm
+@pytest.mark.engine
+def test_tp2_server_follows_and_refuses_bad_adapters(lora_run: LoraRun) -> None:
+    """TP=2: the adapter follows every step (a reference engine at TP=2: vLLM's TP LoRA layers
+    slice the full tensors per rank); beside it, three adapters are refused, each with one line
+    naming it and the fix (``/synced?model=<name>`` 503, ``deltasync_failing`` 1, 503 to a
+    request naming it), while the base model and the good adapter serve."""
+    run = lora_run
+    tmp = run.tmp / "tp2"
+    tmp.mkdir()
+    main = AdapterSource("main", run.main.source, tmp / "main-live", run.main.dirs)
+    refs = lora_references(tmp, 2, run.model_dir,
+                           {main.label(s): main.dirs[s] for s in (0, 3, 5)}, max_rank=8)
+    wide = train_adapter(run.model_dir, tmp, "wide", steps=0, rank=16, seed=4)
+    alien = train_adapter(_gpt2_model(tmp / "gpt2"), tmp, "alien", steps=0, seed=5,
+                          targets=("c_attn",))
+    other = train_adapter(build_model(tmp / "other-model", "llama", hidden_size=64, num_heads=2,
+                                      num_kv_heads=1, seed=6), tmp, "other", steps=0, seed=6)
+    for bad in (wide, alien, other):
+        bad.release(0)
+    port = free_port()
+    env = {"VLLM_DELTASYNC_URL": run.policy_url, "VLLM_DELTASYNC_POLL_INTERVAL_S": "0.2",
+           "VLLM_DELTASYNC_METRICS_PORT": str(port), "VLLM_DELTASYNC_METRICS_HOST": "127.0.0.1",
+           "VLLM_DELTASYNC_LORA_URLS": json.dumps({s.name: s.url for s in
+                                                    (main, wide, alien, other)}),
+           "VLLM_CPU_OMP_THREADS_BIND": "0|1"}
+    metrics = f"http://127.0.0.1:{port}"
+    with api_server(tmp, run.model_dir, env,
+                    extra_args=("--tensor-parallel-size", "2", "--enable-lora",
+                                "--max-lora-rank", "8", "--max-cpu-loras", "8")) as server:
+        api = server.url
+        for step in range(6):
+            main.release(step)
+            wait_models(api, {main.label(step)}, server)
+            if step in (0, 3, 5):
+                _check_step(api, "main", refs[main.label(step)], step)
+        fixes = {"wide": "--max-lora-rank 16", "alien": "no LoRA layer for",
+                 "other": "another base model"}
+        for name, fix in fixes.items():
+            code, body = get_json(metrics + f"/synced?model={name}")
+            assert code == 503 and not body["synced"], body
+            reasons = [r["refused"] for r in body["ranks"]]
+            assert len(reasons) == 2 and all(f"adapter {name!r}" in r and fix in r
+                                             for r in reasons), reasons
+            assert _metric(metrics, "deltasync_failing", name) == [1.0, 1.0]
+            status, answer, _ = lora_complete(api, name, LORA_PROMPTS[0])
+            assert status == 503 and fix in answer["error"]["message"], answer
+        code, body = get_json(metrics + "/synced?model=main")
+        assert code == 200 and body["synced"], body
+        code, body = get_json(metrics + "/synced")
+        assert code == 200 and body["synced"] and body["wide_synced"] is False, body
+        status, answer, headers = lora_complete(api, str(run.model_dir), LORA_PROMPTS[0])
+        assert status == 200 and headers["X-Weight-Version"] == "0", answer
+        _check_step(api, "main@5", refs[main.label(5)], 5)
+
+
+@requires_vllm
+@pytest.mark.engine
+def test_dp2_server_follows_the_adapter_on_both_engines(lora_run: LoraRun) -> None:
+    """Data parallel 2: each engine follows the adapter by itself (its own ranks, its own
+    versions); the API reads both engines' versions and every request, whichever engine
+    serves it (``X-data-parallel-rank``), equals the reference."""
+    run = lora_run
+    tmp = run.tmp / "dp2"
+    tmp.mkdir()
+    main = AdapterSource("main", run.main.source, tmp / "main-live", run.main.dirs)
+    port = free_port(2)
+    env = {"VLLM_DELTASYNC_URL": run.policy_url, "VLLM_DELTASYNC_POLL_INTERVAL_S": "0.2",
+           "VLLM_DELTASYNC_METRICS_PORT": str(port), "VLLM_DELTASYNC_METRICS_HOST": "127.0.0.1",
+           "VLLM_DELTASYNC_LORA_URLS": json.dumps({"main": main.url})}
+    metrics = [f"http://127.0.0.1:{port + i}" for i in range(2)]
+    with api_server(tmp, run.model_dir, env,
+                    extra_args=("--data-parallel-size", "2", "--enable-lora",
+                                "--max-lora-rank", "8", "--max-cpu-loras", "4")) as server:
+        api = server.url
+        for step in (0, 1, 2):
+            main.release(step)
+            wait_models(api, {main.label(step)}, server)
+            deadline = time.monotonic() + 60
+            while [_metric(m, "deltasync_applied_step", "main") for m in metrics] != [
+                    [float(step)]] * 2:
+                assert time.monotonic() < deadline, "not applied on both engines"
+                time.sleep(0.1)
+            for engine in (0, 1):
+                for prompt, want in zip(LORA_PROMPTS, run.refs[main.label(step)], strict=True):
+                    status, got, headers = lora_complete(
+                        api, "main", prompt, headers={"X-data-parallel-rank": str(engine)})
+                    assert status == 200 and headers["X-Weight-Version"] == str(step), got
+                    assert got["tokens"] == want["tokens"], (engine, step)
+                    assert got["prompt_logprobs"] == want["prompt_logprobs"], (engine, step)
+        for engine in (0, 1):
+            _, got, _ = lora_complete(api, main.label(1), LORA_PROMPTS[0],
+                                      headers={"X-data-parallel-rank": str(engine)})
+            assert got["tokens"] == run.refs[main.label(1)][0]["tokens"], engine
+
+
+@requires_vllm
+@pytest.mark.engine
+def test_refusals_at_start_keep_the_base_model_serving(lora_run: LoraRun) -> None:
+    """An adapter on an engine without ``--enable-lora``, and adapters that do not fit
+    ``--max-cpu-loras``, are refused at start (one line naming the adapter and the fix); the
+    base model follows its bucket and serves."""
+    from vllm import LLM, SamplingParams
+
+    run = lora_run
+    tmp = run.tmp / "start"
+    tmp.mkdir()
+    lora_urls = json.dumps({"main": f"file://{tmp}/main", "more": f"file://{tmp}/more"})
+    cases = ({}, "start vLLM with --enable-lora"), (
+        {"enable_lora": True, "max_lora_rank": 8, "max_cpu_loras": 3},
+        "lora_versions_kept x adapters = 2 x 2 = 4 versions; start vLLM with --max-cpu-loras 4")
+    for kwargs, fix in cases:
+        with engine_env(tmp, 1, url=run.policy_url, lora_urls=lora_urls, poll_interval_s=0.2):
+            llm = LLM(model=str(run.model_dir), enforce_eager=True, max_model_len=512,
+                      dtype="bfloat16", seed=0, max_num_seqs=4, worker_extension_cls=EXTENSION,
+                      **kwargs)
+            try:
+                [status] = llm.collective_rpc("deltasync_status")
+                for name in ("main", "more"):
+                    assert fix in (status[name]["refused"] or ""), status[name]
+                    assert f"adapter {name!r}" in status[name]["refused"]
+                out = llm.generate(["the policy reward"], SamplingParams(max_tokens=4),
+                                   use_tqdm=False)
+                assert out[0].outputs[0].token_ids
+                deadline = time.monotonic() + 60
+                while llm.collective_rpc("deltasync_status")[0]["applied_step"] != 0:
+                    assert time.monotonic() < deadline, "the base model never followed"
+                    llm.generate(["x"], SamplingParams(max_tokens=1), use_tqdm=False)
+            finally:
+                close_llm(llm)
