@@ -169,3 +169,15 @@ def test_the_reserved_names_cover_every_key_beside_an_adapter_status() -> None:
     synced_keys = {"synced", "max_steps_behind", "ranks", "coordinator"}
     missing = (rank_keys | engine_keys | synced_keys) - RESERVED_ADAPTER_NAMES
     assert not missing, f"add to RESERVED_ADAPTER_NAMES: {sorted(missing)}"
+
+
+def test_a_version_is_servable_as_soon_as_its_switch_stands() -> None:
+    """Requests the engine core adds right after a switch (before its next tick reads the
+    ranks) may name the new version."""
+    engine = Ranks("math", [4])
+    versions = _kept(engine)
+    versions.tick(engine.statuses())
+    assert versions.room()
+    engine.register(5)
+    versions.switched(5, None)
+    assert versions.admits(engine.id_of(5)) and [v.step for v in versions.servable()] == [4, 5]

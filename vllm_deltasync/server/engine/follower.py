@@ -157,6 +157,8 @@ class TargetFollower:
             self.label = str(step)
             self.metrics.observe_switch(step, out.pause_s)
         self.last_switched = step
+        if self.versions is not None:
+            self.versions.switched(step, identity)
         self._waited()
         if self.held is not None:
             self._release_hold(step)

@@ -33,7 +33,7 @@ from typing import Any
 
 from vllm_deltasync.server.engine.handle import EngineCore
 from vllm_deltasync.server.messages import TargetStatus
-from vllm_deltasync.server.targets import ADAPTER_IDS, Target
+from vllm_deltasync.server.targets import ADAPTER_IDS, Target, adapter_id
 
 logger = logging.getLogger(__name__)
 
@@ -123,6 +123,13 @@ class KeptVersions:
                         "finish (lora_versions_kept=%d; no new request may name it)", self.name,
                         busy.step, self.kept)
         return False
+
+    def switched(self, step: int, identity: str | None) -> None:
+        """A switch to ``step`` stood: every rank registered its version (``adapter_id`` of
+        it), servable from now on, before the next tick reads the ranks' statuses again."""
+        version = Kept(step, adapter_id(self.name, step, identity), identity)
+        if version not in self.held:
+            self.held.append(version)
 
     def _retire_unused(self) -> list[TargetStatus] | None:
         """Remove the retiring versions no request uses; the ranks' statuses after."""
