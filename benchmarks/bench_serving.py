@@ -1,10 +1,12 @@
 """Serving benchmark: decode throughput of a following engine per ``in_flight`` mode against
 stock vLLM (CPU build), the KV each switch computes again, the prefix-cache hit rate.
 
-Four engines, started first and alive together (one engine core process each), on the same
+Five engines, started first and alive together (one engine core process each), on the same
 model: **stock** (plain vLLM, no extension) and the extension with ``in_flight`` =
 **keep_kv** (the default), **continue** and **drain**, every request salted by the weights it
-runs on (``server/engine/kv.py``), the default CPU kernels (``packed``). The model is a small
+runs on (``server/engine/kv.py``), the default CPU kernels (``packed``); and **keep_kv with
+inplace kernels** (linear layers computing from their parameters, as on GPUs: what keeping
+vLLM's packed kernels is worth on a host where vLLM packs bf16 linears). The model is a small
 Llama, so that 2,048-token sequences fit this machine's time: what a switch costs in
 recompute grows with the context, and the decode of an 87M model on these two cores (50
 tokens/s at batch 16) would leave no time to measure it.
@@ -60,7 +62,10 @@ from vllm_deltasync import DeltaPublisher
 
 MODEL: dict[str, Any] = {"hidden_size": 256, "num_layers": 4, "num_heads": 4, "num_kv_heads": 2,
                          "intermediate_size": 768, "vocab_size": 4096}
-MODES = ("stock", "keep_kv", "continue", "drain")
+MODES = ("stock", "keep_kv", "continue", "drain", "keep_kv, inplace kernels")
+"""The engines: stock vLLM, then the extension per ``in_flight`` mode with the default CPU
+kernels (``packed``), and ``keep_kv`` computing from the parameters (``cpu_kernels="inplace"``,
+as GPUs do): the kernels' share of the following cost."""
 STEPS = 40
 DENSITY = 0.01
 INTERVAL_S = 3.0
@@ -211,11 +216,14 @@ def _start(mode: str, model_dir: Path, source: Path, tmp: Path, max_len: int) ->
     releaser = None
     kw: dict[str, Any] = {}
     if mode != "stock":
-        releaser = _Releaser(source, tmp / f"bucket-{mode}", INTERVAL_S)
-        os.environ.update({"VLLM_DELTASYNC_URL": f"file://{tmp}/bucket-{mode}",
+        slug = mode.replace(", ", "-").replace(" ", "-")
+        releaser = _Releaser(source, tmp / f"bucket-{slug}", INTERVAL_S)
+        in_flight, _, kernels = mode.partition(", ")
+        os.environ.update({"VLLM_DELTASYNC_URL": f"file://{tmp}/bucket-{slug}",
                            "VLLM_DELTASYNC_POLL_INTERVAL_S": "0.2",
                            "VLLM_DELTASYNC_METRICS_PORT": "0",
-                           "VLLM_DELTASYNC_IN_FLIGHT": mode})
+                           "VLLM_DELTASYNC_IN_FLIGHT": in_flight,
+                           "VLLM_DELTASYNC_CPU_KERNELS": kernels.split()[0] if kernels else "packed"})
         kw["worker_extension_cls"] = "vllm_deltasync.DeltaSyncExtension"
     llm = LLM(model=str(model_dir), enforce_eager=True, max_model_len=max_len, dtype="bfloat16",
               seed=0, max_num_seqs=16, enable_prefix_caching=True, **kw)
@@ -347,12 +355,15 @@ def run(quick: bool = False) -> str:
         f"delta every {INTERVAL_S:.0f} s. Workloads `batch x (prompt + generated)` tokens, each "
         f"turn of an engine running one again (new prompts) for at least {turn_s:.0f} s; "
         f"tokens/s generated (prefill included), the median over {rounds} interleaved "
-        "rounds, and the ratio to stock. The four engines are alive together, the starting "
+        "rounds, and the ratio to stock. The engines are alive together, the starting "
         "engine rotating each round; the engine measured runs alone, the others stopped "
         "(SIGSTOP).",
         "",
         *_table(rows, workloads),
         "",
+        "CPU kernels `packed` (the default: vLLM's packed GEMM kernels kept, the layers a switch "
+        "wrote packed again) but in the last row, `inplace` (linear layers computing from "
+        "their parameters, as GPUs do). "
         "keep_kv: running requests continue on the new weights from the KV computed so far; "
         "continue: they are preempted and compute their KV again on the new weights (the "
         "recompute tokens); drain: new requests wait until the running ones finish, then the "

@@ -65,6 +65,13 @@ def host_runs_draft_model() -> None:
 
 
 @pytest.fixture(scope="session")
+def host_runs_lora() -> None:
+    """Skips the tests using it where a stock ``--enable-lora`` engine serving an adapter dies
+    of SIGILL (vLLM's CPU LoRA kernels)."""
+    require_engine("lora")
+
+
+@pytest.fixture(scope="session")
 def host_runs_moe() -> None:
     """Skips the tests using it where a stock engine of a toy MoE model dies of SIGILL."""
     require_engine("moe")

@@ -250,7 +250,7 @@ SERVER_IMPORTS: dict[str, set[str]] = {
     "server/metrics.py": {"server/messages.py", "server/targets.py", "server/endpoint.py"},
     "server/endpoint.py": {"server/metrics.py"},
     "server/surface_check.py": {"server/vllm/surface.py"},
-    "server/api/": set(),
+    "server/api/": {"server/targets.py"},
     "server/worker/": {"server/messages.py", "server/targets.py", "server/metrics.py"},
     "server/engine/": {"server/messages.py", "server/targets.py", "server/metrics.py",
                        "server/endpoint.py"},

@@ -42,6 +42,23 @@ _MAX_NUMBER_CHARS = 40
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
 _LORA_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+RESERVED_ADAPTER_NAMES = frozenset({
+    # the other rows of the target table
+    "policy", "drafter",
+    # keys of the wire dicts an adapter's entry sits beside (server/messages.py: a rank's
+    # status, the engine status; server/metrics.py: /synced); tests/server/test_lora_rows.py
+    # checks this list against them
+    "rank", "model", "applied_step", "applied_id", "staged_step", "ready_steps", "ready_ids",
+    "branch_lost", "newest_step", "applied_published_at", "newest_published_at",
+    "last_discovery_at", "staged_bytes", "last_error", "pending_switch", "last_apply", "bucket",
+    "staging_cpus", "counters", "fingerprint", "model_steps", "pid", "refused", "following",
+    "reloads", "cpu_kernels", "proof", "layout_bytes", "proof_classes", "versions",
+    "active", "weight_version", "failed_ticks", "failing", "metrics_port", "switches",
+    "failures", "max_wait_ticks", "ticks", "held", "holds", "ranks", "synced",
+    "max_steps_behind", "coordinator",
+})
+"""Adapter names refused by ``lora_urls``: the other targets' names, and the keys its status
+sits beside in the wire dicts (an adapter's status is the value of its name there)."""
 """An adapter name: what requests give as ``model``, a metric label, later a path segment."""
 
 
@@ -212,6 +229,10 @@ def _check_buckets_by_name(rule: Rule, value: Any, where: str) -> dict[str, str]
             raise ConfigError(
                 f"{where}: adapter name {_short(name)} is not a valid name; use 1-64 ASCII "
                 "letters, digits, '.', '_' or '-', starting with a letter or digit")
+        if name in RESERVED_ADAPTER_NAMES:
+            raise ConfigError(
+                f"{where}: adapter name {name!r} is reserved (a target or a status field of "
+                "the same name exists); name the adapter otherwise, e.g. 'lora-" + name + "'")
         if not isinstance(url, str) or "://" not in url:
             raise ConfigError(f"{where}[{name!r}] is not a bucket URL; use e.g. "
                               "s3://bucket/adapters/<name> or hf://buckets/ns/name/<name>")
@@ -271,4 +292,4 @@ def _digits(text: str) -> bool:
     return text.isascii() and text.isdigit()
 
 
-__all__ = ["MAX_CPUS", "MAX_LORAS", "MAX_MIRRORS", "Rule", "parse_cpu_list"]
+__all__ = ["MAX_CPUS", "MAX_LORAS", "MAX_MIRRORS", "RESERVED_ADAPTER_NAMES", "Rule", "parse_cpu_list"]

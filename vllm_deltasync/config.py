@@ -226,13 +226,16 @@ class SyncConfig:
     URL (``VLLM_DELTASYNC_LORA_URLS='{"math": "s3://runs/adapters/math"}'``). A name is what
     requests give as ``model``: 1-64 ASCII letters, digits, ``.``, ``_`` or ``-``, starting
     with a letter or digit (no ``@``, no ``/``: it is also a metric label and a path segment).
-    Each URL follows the bucket URL rules of ``url``. At most 64. Parsed and validated; no
-    reader uses it yet."""
+    Each URL follows the bucket URL rules of ``url``. At most 64. Not ``policy``, ``drafter``
+    or a key of the status dicts (``_config_values.RESERVED_ADAPTER_NAMES``). The server needs
+    ``--enable-lora`` (docs/extension.md, "LoRA adapters"); a request names ``<name>`` (the
+    newest applied step) or ``<name>@<step>`` (exactly that step while it is kept)."""
 
     lora_versions_kept: int = _opt(2, Rule("int", 1, 64))
     """Versions of each followed adapter kept loaded (the newest and the ones before it, which
-    requests still running may use). From 1 to 64. Parsed and validated; no reader uses it
-    yet."""
+    requests still running may use, or name as ``<name>@<step>``). From 1 to 64. A version
+    is removed only when no request uses it; a newer step waits for that. vLLM's
+    ``--max-cpu-loras`` must hold ``lora_versions_kept`` x the number of adapters."""
 
     def __post_init__(self) -> None:
         for f in fields(self):  # every field by its rule: kind, range; normalized in place

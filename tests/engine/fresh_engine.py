@@ -10,6 +10,12 @@ of two processes per engine: the kernels and the loader are the same.
 
 VLLM_CACHE_ROOT comes from the caller. SPEC is JSON: ``{"tp": 1, "prompts": [...], "checkpoints": ["/path/ckpt-1", ...]}``; OUT
 receives ``{checkpoint: generate(...) outputs}`` (weight versions dropped).
+
+LoRA references (tests/engine/test_lora_*.py): SPEC ``{"tp": 1, "model": "/path/base",
+"prompts": [[token ids], ...], "tokens": 12, "max_rank": 8, "adapters": {"label": "/peft/dir"}}``:
+one fresh ``--enable-lora`` engine of the base model, every adapter directory given to it as
+vLLM's own ``LoRARequest`` (a different id each), each prompt generated alone; OUT receives
+``{label: [{"tokens": [...], "prompt_logprobs": [...]}, ...]}``.
 """
 
 from __future__ import annotations
@@ -41,6 +47,37 @@ def reference_outputs(tp: int, prompts: list[str], checkpoints: list[str]) -> di
     return results
 
 
+def lora_reference_outputs(spec: dict[str, Any]) -> dict[str, Any]:
+    from vllm import LLM, SamplingParams
+    from vllm.lora.request import LoRARequest
+
+    from .conftest import close_llm
+
+    tp = int(spec["tp"])
+    adapters = dict(spec["adapters"])
+    llm = LLM(model=spec["model"], tensor_parallel_size=tp, enforce_eager=True,
+              max_model_len=512, dtype="bfloat16", seed=0, max_num_seqs=4,
+              enable_lora=True, max_lora_rank=int(spec["max_rank"]), max_loras=1,
+              max_cpu_loras=len(adapters) + 1,
+              distributed_executor_backend="uni" if tp == 1 else "mp")
+    params = SamplingParams(temperature=0.0, max_tokens=int(spec["tokens"]), ignore_eos=True,
+                            prompt_logprobs=0)
+    results: dict[str, Any] = {}
+    try:
+        for i, (label, path) in enumerate(sorted(adapters.items())):
+            lora = LoRARequest(label, i + 1, path)
+            out = []
+            for prompt in spec["prompts"]:
+                [res] = llm.generate([{"prompt_token_ids": prompt}], params, lora_request=lora,
+                                     use_tqdm=False)
+                lps = [next(iter(d.values())).logprob for d in res.prompt_logprobs[1:]]
+                out.append({"tokens": list(res.outputs[0].token_ids), "prompt_logprobs": lps})
+            results[label] = out
+    finally:
+        close_llm(llm)
+    return results
+
+
 def main(spec_path: str, out_path: str) -> None:
     spec = json.loads(Path(spec_path).read_text())
     tp = int(spec["tp"])
@@ -53,7 +90,8 @@ def main(spec_path: str, out_path: str) -> None:
         "TOKENIZERS_PARALLELISM": "false",
     })
     try:
-        results = reference_outputs(tp, spec["prompts"], spec["checkpoints"])
+        results = (lora_reference_outputs(spec) if "adapters" in spec
+                   else reference_outputs(tp, spec["prompts"], spec["checkpoints"]))
     finally:
         shutil.rmtree(rpc, ignore_errors=True)
     Path(out_path).write_text(json.dumps(results))

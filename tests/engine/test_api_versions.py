@@ -212,6 +212,9 @@ def _top(obj: Any) -> list[tuple[str, int, int]]:
     spans = obj.model_extra["weight_versions"]
     assert spans == obj.weight_versions, "attribute access and model_extra agree"
     assert all(s["index"] == 0 for s in spans), spans
+    # a choice a switch crossed says what its sequence did there (the default mode), no other
+    crossed = len({s["version"] for s in spans}) > 1
+    assert (obj.choices[0].model_extra or {}).get("in_flight") == ("keep_kv" if crossed else None)
     return [(s["version"], s["start"], s["end"]) for s in spans]
 
 

@@ -36,6 +36,7 @@ from vllm_deltasync.format.manifest import Manifest
 from vllm_deltasync.format.reader import BucketReader
 from vllm_deltasync.server import metrics
 from vllm_deltasync.server.endpoint import MetricsServer
+from vllm_deltasync.server.messages import TargetStatus
 from vllm_deltasync.trainer.publisher import DeltaPublisher
 
 pytestmark = pytest.mark.prometheus
@@ -118,9 +119,11 @@ class Coordinator(threading.Thread):
     """The engine core's role: every tick poll all ranks, switch when all staged, update metrics."""
 
     def __init__(self, ranks: list[Follower], sync_metrics: metrics.SyncMetrics,
-                 drafter: Follower) -> None:
+                 drafter: Follower, adapter: Follower) -> None:
         super().__init__(daemon=True)
         self.ranks, self.metrics, self.drafter = ranks, sync_metrics, drafter
+        self.adapter = adapter
+        """A LoRA adapter's rank 0 (named ``math``: the dashboard's adapter row)."""
         self.running = threading.Event()
         self.running.set()
         self.stopped = threading.Event()
@@ -135,21 +138,24 @@ class Coordinator(threading.Thread):
     async def _loop(self) -> None:
         while not self.stopped.is_set():
             if self.running.is_set():
-                for r in [*self.ranks, self.drafter]:
+                for r in [*self.ranks, self.drafter, self.adapter]:
                     await r.poll()
                 while all(r.staged for r in self.ranks):
                     start = time.perf_counter()
                     steps = {r.apply_next() for r in self.ranks}
                     assert len(steps) == 1, steps
                     self.metrics.observe_switch(steps.pop(), time.perf_counter() - start)
-                while self.drafter.staged:  # the drafter switches on its own, never holding
-                    self.drafter.apply_next()
+                for other in (self.drafter, self.adapter):  # on their own, never holding
+                    while other.staged:
+                        other.apply_next()
                 statuses = [rank_status(r.rank, **r.status()) for r in self.ranks]
                 statuses[0] = rank_status(0, **self.ranks[0].status(),
                                           drafter=self.drafter.status())
+                statuses[0].targets["math"] = TargetStatus(
+                    **{"rank": 0, **self.adapter.status(), "model": "math"})
                 self.metrics.update(statuses)
             await asyncio.sleep(TICK_S)
-        for r in [*self.ranks, self.drafter]:
+        for r in [*self.ranks, self.drafter, self.adapter]:
             await r.reader.close()
 
 
@@ -211,7 +217,8 @@ def test_prometheus_scrapes_fleet_metrics(tmp_path: Path, prometheus_factory: An
     sync_metrics = metrics.SyncMetrics(bucket_url=url, format_version=1)
     server = MetricsServer(sync_metrics, port=0, addr="127.0.0.1")
     ranks = [Follower(rank, url, shapes) for rank in (0, 1)]
-    coordinator = Coordinator(ranks, sync_metrics, Follower(0, url, shapes))
+    coordinator = Coordinator(ranks, sync_metrics, Follower(0, url, shapes),
+                              Follower(0, url, shapes))
     target = f"127.0.0.1:{server.port}"
     prom = prometheus_factory(scrape_config([target]))
     coordinator.start()

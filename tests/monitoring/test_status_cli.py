@@ -106,3 +106,33 @@ def test_url_forms() -> None:
     assert metrics_url("https://h/custom/path") == "https://h/custom/path"
     with pytest.raises(ConfigError, match="not an http"):
         metrics_url("s3://bucket/x")
+
+
+def test_lora_adapters_are_shown_by_name(replica: tuple[metrics.SyncMetrics, str]) -> None:
+    """Each followed LoRA adapter's series (``model=<name>``) is shown like the drafter's, and a
+    refused one never makes the replica unhealthy; ``/synced?model=<name>`` says 503 for it."""
+    import dataclasses
+
+    from vllm_deltasync.server.messages import TargetStatus
+
+    m, address = replica
+    statuses = []
+    for r in (0, 1):
+        status = rank(r, 5, 5)
+        targets = dict(status.targets)
+        targets["math"] = TargetStatus(rank=r, model="math", applied_step=7, newest_step=7)
+        targets["code"] = TargetStatus(rank=r, model="code", refused="adapter 'code': rank 16 "
+                                       "exceeds this server's --max-lora-rank 8")
+        statuses.append(dataclasses.replace(status, targets=targets))
+    m.update(statuses)
+    code, out = run(address)
+    assert code == 0, out
+    assert "math=applied:7,behind:0,error:-" in out and "code=applied:-" in out, out
+    [row] = json.loads(run(address, "--json")[1])
+    assert row["math"] == "applied:7,behind:0,error:-" and row["drafter"] is None
+    ok, body = m.synced_target("code") or (None, None)
+    assert ok is False and "rank 16" in body["ranks"][0]["refused"]
+    ok, body = m.synced_target("math") or (None, None)
+    assert ok is True and body["model"] == "math"
+    assert [r["applied_step"] for r in body["ranks"]] == [7, 7]
+    assert m.synced_target("nosuch") is None

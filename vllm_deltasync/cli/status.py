@@ -69,13 +69,15 @@ class ReplicaStatus:
     unreachable: str | None = None
     """Why the metrics could not be read; the other fields are then empty."""
     others: dict[str, str] = field(default_factory=dict)
-    """Each other followed target with series (the speculative drafter: ``drafter``), by its
-    ``model`` label: ``applied:N,behind:M,error:<reason>@rank<N>`` of its worst rank."""
+    """Each other followed target with series (the speculative drafter: ``drafter``; each LoRA
+    adapter under its name), by its ``model`` label: ``applied:N,behind:M,error:<reason>@rank<N>``
+    of its worst rank."""
 
     def to_json(self) -> dict[str, Any]:
-        """The row, each other target of the table under its name (None without series)."""
+        """The row, each other target under its name (the drafter: None without series)."""
         out = {k: v for k, v in asdict(self).items() if k != "others"}
-        out.update({t.name: self.others.get(t.name) for t in TARGETS[1:]})
+        out.update({t.name: None for t in TARGETS[1:]})
+        out.update(self.others)
         return out
 
     def line(self) -> str:
@@ -137,8 +139,10 @@ def parse_status(url: str, text: str) -> ReplicaStatus:
     for s in samples:
         rank = s.labels.get("rank")
         model = s.labels.get("model", primary)  # servers before the drafter had no model label
-        if rank is None or not s.name.startswith("deltasync_") or model not in per_model:
+        if rank is None or not s.name.startswith("deltasync_"):
             continue
+        if model not in per_model:  # a LoRA adapter, by its name
+            per_model[model], failures[model] = {}, {}
         if s.name == "deltasync_last_failure_timestamp_seconds":
             if s.value > failures[model].get(rank, (-1.0, ""))[0]:
                 failures[model][rank] = (s.value, s.labels.get("reason", "Error"))
@@ -147,11 +151,11 @@ def parse_status(url: str, text: str) -> ReplicaStatus:
     if not per_model[primary]:
         return ReplicaStatus(url, unreachable="no deltasync metrics at this URL")
     row = _summarize(url, per_model[primary], failures[primary])
-    for target in TARGETS[1:]:
-        if per_model[target.name]:
-            d = _summarize(url, per_model[target.name], failures[target.name])
-            row.others[target.name] = (f"applied:{_show(d.applied_step)},"
-                                       f"behind:{_show(d.steps_behind)},error:{d.error or '-'}")
+    for name in [m for m in per_model if m != primary]:
+        if per_model[name]:
+            d = _summarize(url, per_model[name], failures[name])
+            row.others[name] = (f"applied:{_show(d.applied_step)},"
+                                f"behind:{_show(d.steps_behind)},error:{d.error or '-'}")
     return row
 
 

@@ -1,6 +1,7 @@
 """The engine core's HTTP endpoint: ``GET /metrics`` (Prometheus text) and ``GET /synced``
-(readiness JSON, :meth:`~vllm_deltasync.server.metrics.SyncMetrics.synced`), on the port of
-``metrics_port``, served from a daemon thread of the engine-core process."""
+(readiness JSON, :meth:`~vllm_deltasync.server.metrics.SyncMetrics.synced`; ``?model=<name>``:
+one followed target's, a LoRA adapter's or the drafter's), on the port of ``metrics_port``,
+served from a daemon thread of the engine-core process."""
 
 from __future__ import annotations
 
@@ -62,7 +63,15 @@ class MetricsServer:
         except ValueError:
             start_response("400 Bad Request", [("Content-Type", "text/plain")])
             return [b"max_steps_behind must be an integer\n"]
-        ok, body = self.metrics.synced(limit)
+        model = query.get("model", [""])[0]
+        if model:
+            found = self.metrics.synced_target(model, limit)
+            if found is None:
+                start_response("404 Not Found", [("Content-Type", "text/plain")])
+                return [b"this server follows no target of that name\n"]
+            ok, body = found
+        else:
+            ok, body = self.metrics.synced(limit)
         status = "200 OK" if ok else "503 Service Unavailable"
         start_response(status, [("Content-Type", "application/json")])
         return [json.dumps(body).encode()]

@@ -16,7 +16,7 @@ its main thread, so all ranks apply between the same two model steps; ranks stag
 prepare a step (download, verify, decode, translate, move to device) before reporting it ready.
 
 The methods are thin: each answers from the rank's :class:`~.worker.rank.Rank` (one
-``TargetRank`` per followed target, ``model`` naming which: ``server/targets.py``) and turns the
+``FollowedTarget`` per followed target, ``model`` naming which: ``server/targets.py``) and turns the
 typed answer into the dict that crosses the RPC. What this module reads from vLLM's worker goes
 through ``server/vllm/worker.py`` (a typed view); it imports no vLLM module itself.
 """
@@ -39,7 +39,7 @@ from vllm_deltasync.server.vllm import guard, plugin, surface
 from vllm_deltasync.server.vllm import worker as vllm_worker
 from vllm_deltasync.server.worker.checkpoint import digest_names, safetensors_files
 from vllm_deltasync.server.worker.rank import Rank, refused
-from vllm_deltasync.server.worker.target import TargetRank
+from vllm_deltasync.server.worker.target import FollowedTarget, TargetRank
 
 logger = logging.getLogger(__name__)
 
@@ -69,8 +69,15 @@ class DeltaSyncExtension:
             raise DeltaSyncError("deltasync is not started on this worker (deltasync_start)")
         return rank
 
-    def _deltasync_target(self, model: str) -> TargetRank:
+    def _deltasync_target(self, model: str) -> FollowedTarget:
         return self._deltasync_rank().get(model)
+
+    def _deltasync_params(self, model: str) -> TargetRank:
+        state = self._deltasync_rank().get(model)
+        if not isinstance(state, TargetRank):
+            raise DeltaSyncError(f"{model!r} is a LoRA adapter: it has no parameters of the "
+                                 "model to digest")
+        return state
 
     def deltasync_start(self) -> dict[str, Any]:
         """Build every followed target (shard maps, learned layouts), prove the targets whose
@@ -169,6 +176,16 @@ class DeltaSyncExtension:
         its weights are as before (``put_back`` / ``nothing_written``) or unknown."""
         return self._deltasync_target(model).switch.revert(step, reason).to_wire()
 
+    def deltasync_retire(self, adapters: list[int], model: str) -> dict[str, Any]:
+        """Remove these versions of LoRA adapter ``model`` (the engine core checked that no
+        request uses them; ``server/engine/versions.py``); answers the adapter's status."""
+        from vllm_deltasync.server.worker.adapters import AdapterRank
+
+        state = self._deltasync_target(model)
+        if isinstance(state, AdapterRank):
+            state.retire([int(a) for a in adapters])
+        return state.status().to_wire()
+
     def deltasync_reset(self, reason: str, model: str = PRIMARY) -> None:
         """Forget the applied version (the next step is reached through an anchor). Never
         raises (logged)."""
@@ -188,7 +205,7 @@ class DeltaSyncExtension:
         this rank."""
         from vllm_deltasync.server.worker.apply import tensor_digest
 
-        state = self._deltasync_target(model)
+        state = self._deltasync_params(model)
         return {n: tensor_digest(state.shardmap, n) for n in digest_names(state.shardmap, names)}
 
     def deltasync_checkpoint_digests(self, path: str, names: Iterable[str] | None = None,
@@ -199,7 +216,7 @@ class DeltaSyncExtension:
 
         from vllm_deltasync.server.worker.apply import checkpoint_digest
 
-        state = self._deltasync_target(model)
+        state = self._deltasync_params(model)
         tensors: dict[str, torch.Tensor] = {}
         for f in safetensors_files(path):
             tensors.update(load_file(str(f)))
@@ -215,7 +232,7 @@ def _missing(scope: str) -> list[str]:
             for line in surface_check.cached_problems(scope)]
 
 
-def _apply_rpc_failpoint(state: TargetRank, step: int) -> None:
+def _apply_rpc_failpoint(state: FollowedTarget, step: int) -> None:
     """Test-only (``failpoints.py``, ``apply_rpc``): raise out of ``deltasync_apply`` on that
     rank and step before anything is written, once per process; ``dirty``: as if the apply
     had started and never answered."""

@@ -191,6 +191,10 @@ class TargetStatus:
     layout_bytes: int = 0
     proof_classes: tuple[str, ...] = ()
     """The parameter classes of check 2 of the proof (the start answer only)."""
+    versions: tuple[tuple[int, int, str | None], ...] = ()
+    """A target whose steps are versions kept side by side (a LoRA adapter): ``(step,
+    adapter id, manifest identity)`` of every version registered on this rank, oldest first
+    (``server/worker/adapters.py``); empty for every other target."""
 
     def ready_pairs(self) -> list[tuple[int, str | None]]:
         """(step, identity) of each ready step."""
@@ -204,6 +208,7 @@ class TargetStatus:
         out = {f.name: getattr(self, f.name) for f in fields(self)}
         out["ready_steps"], out["ready_ids"] = list(self.ready_steps), list(self.ready_ids)
         out["proof_classes"] = list(self.proof_classes)
+        out["versions"] = [list(v) for v in self.versions]
         out["last_apply"] = None if self.last_apply is None else self.last_apply.to_wire()
         out["counters"] = None if self.counters is None else self.counters.to_wire()
         out["proof"] = None if self.proof is None else dict(self.proof)
@@ -213,10 +218,21 @@ class TargetStatus:
     def from_wire(cls, wire: Any, what: str = "deltasync_status") -> TargetStatus:
         status = _parse(cls, wire, what, ready_steps=tuple, ready_ids=tuple,
                         proof_classes=tuple, last_apply=LastApply.from_wire,
-                        counters=Counters.from_wire)
+                        counters=Counters.from_wire, versions=_versions)
         if len(status.ready_steps) != len(status.ready_ids):
             raise MessageError(f"{what}: ready_steps and ready_ids differ in length")
         return status
+
+
+def _versions(raw: Any) -> tuple[tuple[int, int, str | None], ...]:
+    out = []
+    for v in raw:
+        if (not isinstance(v, (list, tuple)) or len(v) != 3 or not isinstance(v[0], int)
+                or not isinstance(v[1], int) or not (v[2] is None or isinstance(v[2], str))):
+            raise MessageError(f"deltasync_status: versions entry {str(v)[:80]} is not "
+                               "[step, adapter id, identity]")
+        out.append((v[0], v[1], v[2]))
+    return tuple(out)
 
 
 @dataclass(frozen=True)
@@ -370,9 +386,13 @@ class TargetReport:
     """Why this target's ranks resync through an anchor (the policy's hold stops scheduling)."""
     holds: tuple[Mapping[str, Any], ...] = ()
     ranks: tuple[Mapping[str, Any], ...] = ()
+    versions: tuple[tuple[int, int], ...] = ()
+    """A target whose steps are versions kept side by side: (step, adapter id) of each version
+    requests may use now (``server/engine/versions.py``)."""
 
     def to_wire(self) -> dict[str, Any]:
-        return {"switches": [s.to_wire() for s in self.switches], "failures": self.failures,
+        return {"versions": [list(v) for v in self.versions],
+                "switches": [s.to_wire() for s in self.switches], "failures": self.failures,
                 "last_error": self.last_error, "max_wait_ticks": self.max_wait_ticks,
                 "ticks": self.ticks, "held": self.held,
                 "holds": [dict(h) for h in self.holds], "ranks": [dict(r) for r in self.ranks]}

@@ -428,14 +428,25 @@ class SyncMetrics:
             _current(r, max_steps_behind) and not r["branch_lost"] for r in rows)
         body: dict[str, Any] = {"synced": ok, "max_steps_behind": max_steps_behind,
                                 "ranks": rows, "coordinator": coordinator}
-        for target in TARGETS[1:]:
-            others = [_row(s) for r in ranks if (s := r.of(target.name)) is not None]
-            if others:
-                body[target.name] = others
-                body[f"{target.name}_synced"] = all(
-                    r["refused"] is None and r["last_error"] is None
-                    and _current(r, max_steps_behind) for r in others)
+        for name in dict.fromkeys(n for r in ranks for n in r.targets if n != primary):
+            others = [_row(s) for r in ranks if (s := r.of(name)) is not None]
+            body[name] = others
+            body[f"{name}_synced"] = _others_synced(others, max_steps_behind)
         return ok, body
+
+    def synced_target(self, model: str, max_steps_behind: int = 0
+                      ) -> tuple[bool, dict[str, Any]] | None:
+        """``/synced?model=<name>``: the readiness of one followed target (a LoRA adapter, the
+        drafter): every rank follows it, without a refusal or an error, at most
+        ``max_steps_behind`` behind; None when this server follows no such target."""
+        with self._lock:
+            ranks = list(self.latest)
+        rows = [_row(s) for r in ranks if (s := r.of(model)) is not None]
+        if not rows:
+            return None
+        ok = _others_synced(rows, max_steps_behind)
+        return ok, {"model": model, "synced": ok, "max_steps_behind": max_steps_behind,
+                    "ranks": rows}
 
     def start_server(self, port: int, addr: str = "0.0.0.0") -> MetricsServer | None:
         """Serve ``/metrics`` and ``/synced`` on ``port``; ``0`` means off and returns None."""
@@ -453,6 +464,11 @@ def _row(s: TargetStatus) -> dict[str, Any]:
     return {"rank": s.rank, "applied_step": s.applied_step, "newest_step": s.newest_step,
             "steps_behind": _behind(s), "branch_lost": _redacted(s.branch_lost),
             "refused": _redacted(s.refused), "last_error": _redacted(s.last_error)}
+
+
+def _others_synced(rows: list[dict[str, Any]], max_steps_behind: int) -> bool:
+    return all(r["refused"] is None and r["last_error"] is None
+               and _current(r, max_steps_behind) for r in rows)
 
 
 def _current(row: Mapping[str, Any], max_steps_behind: int) -> bool:

@@ -14,7 +14,10 @@ in ``server/engine/``) and never asks which target it has. A row says:
   modules);
 - its switch policy (:class:`SwitchPolicy`): whether an unknown state holds the engine or only
   the target, whose KV cache its weights determine (the prefix-cache salt), whether a switch
-  sets vLLM's weight version, whether it waits for a drain, whether the trainer drives it.
+  sets vLLM's weight version, whether it waits for a drain, whether the trainer drives it,
+  whether its steps are versions kept side by side (LoRA adapters);
+- how a rank writes it (:attr:`Target.writer`): parameters written in place, or adapter
+  versions handed to vLLM's LoRA manager.
 
 A target's ``name`` is its label everywhere: the ``model`` label of the metrics, the ``model``
 argument of the ``deltasync_*`` RPCs, its key in a rank's status and in the engine status.
@@ -22,12 +25,14 @@ Those names appear here and nowhere else in the package.
 
 Where a new target plugs in (docs/architecture.md, "Targets"): a row here with its source, its
 weights and its policy; a writer in ``server/worker/`` if its weights are not plain parameters
-written in place (LoRA adapters live in vLLM's adapter slots). Nothing else changes.
+written in place (LoRA adapters live in vLLM's LoRA manager: ``server/worker/adapters.py``).
+Nothing else changes.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -64,10 +69,16 @@ class SwitchPolicy:
     kv_scope: str = "every"
     """Whose KV cache its weights determine (``server/engine/kv.py``). ``"every"``: every
     request's (the policy): its applied identity salts every request's prefix-cache blocks,
-    and ``in_flight`` says what running requests do at its switch. ``"adapter"``: only the
-    requests naming the LoRA adapter this row is named after (as requests name it).
-    ``"none"``: nobody's (the drafter: the target model's KV depends only on the target's
-    weights; a draft's KV from older draft weights only lowers acceptance)."""
+    and ``in_flight`` says what running requests do at its switch. ``"none"``: nobody's (the
+    drafter: the target model's KV depends only on the target's weights, a draft's KV from
+    older draft weights only lowers acceptance; a LoRA adapter: each version is a vLLM adapter
+    of its own name, which vLLM's block hashes cover)."""
+    versions_kept: int | None = None
+    """None: a step replaces the weights in place. A number: each step is a new version kept
+    beside the older ones (a LoRA adapter: each its own vLLM adapter id and name, so a
+    request keeps the version it started on and the prefix cache never mixes them); at most
+    this many per target, an older one removed only when no request uses it
+    (``server/engine/versions.py``)."""
 
 
 @dataclass(frozen=True)
@@ -114,6 +125,10 @@ class Target:
     ``deltasync_prove``); False: each rank checks through its own modules at start."""
     surface_scope: str
     """The rows of the vLLM surface its following relies on (``server/vllm/surface.py``)."""
+    writer: str = "params"
+    """How a rank writes its steps: ``params`` (parameters written in place: ``TargetRank``,
+    ``server/worker/target.py``) or ``adapter`` (a new LoRA adapter version in vLLM's LoRA
+    manager per step: ``AdapterRank``, ``server/worker/adapters.py``)."""
 
     def describe(self) -> str:
         return self.name
@@ -160,28 +175,91 @@ DRAFTER = Target(
 )
 
 TARGETS: tuple[Target, ...] = (POLICY, DRAFTER)
-"""Every target, the policy first (it is built first on a rank: another target's bucket may
-be checked against its checkpoint). The engine core switches them in :data:`SWITCH_ORDER`."""
+"""The targets of every server, the policy first (it is built first on a rank: another
+target's bucket may be checked against its checkpoint). A server's whole table is
+:func:`targets_for` (these, then its adapters); the engine core switches them in
+:func:`switch_order`."""
 
 SWITCH_ORDER: tuple[Target, ...] = (DRAFTER, POLICY)
 """Within one tick: a target that never holds the engine first, so a policy switch that
 holds cannot keep the others from switching in the same pause."""
 
+LORA_SCOPE = "lora"
+"""The surface scope of the adapter rows: a vLLM lacking a row of it refuses adapters only."""
 
-def target(name: str) -> Target:
+
+def adapter_target(name: str, versions_kept: int) -> Target:
+    """The row of LoRA adapter ``name`` of ``lora_urls``: its bucket, versions kept side by
+    side (``versions_kept``), written as vLLM adapters from memory; it never holds the engine,
+    resets no prefix cache (each version's adapter name is in vLLM's block hashes), sets no
+    weight version and never drains."""
+    def source(config: SyncConfig) -> Source | None:
+        url = config.lora_urls.get(name)
+        if url is None:
+            return None
+        return Source(dataclasses.replace(config, url=url, drafter_url="", drafter_prefix="",
+                                          loaded_step=None, lora_urls={}))
+
+    return Target(
+        name=name,
+        policy=SwitchPolicy(holds_engine=False, resets_prefix_cache=False, labels_version=False,
+                            drains=False, trainer_driven=False, kv_scope="none",
+                            versions_kept=versions_kept),
+        source=source,
+        weights=lambda view: None,  # no parameters of the model: vLLM's LoRA manager
+        missing="",
+        learns_layouts=False,
+        collective_proof=False,
+        surface_scope=LORA_SCOPE,
+        writer="adapter",
+    )
+
+
+def targets_for(config: SyncConfig | None) -> tuple[Target, ...]:
+    """The target table of a server with ``config``: :data:`TARGETS`, then one
+    :func:`adapter_target` row per ``lora_urls`` entry, in the order given (None: no
+    adapters). The names are checked by the config (``RESERVED_ADAPTER_NAMES``)."""
+    if config is None or not config.lora_urls:
+        return TARGETS
+    return TARGETS + tuple(adapter_target(name, config.lora_versions_kept)
+                           for name in config.lora_urls)
+
+
+def switch_order(rows: tuple[Target, ...]) -> tuple[Target, ...]:
+    """:data:`SWITCH_ORDER` with the other rows (adapters: they never hold) first."""
+    return tuple(r for r in rows if r not in SWITCH_ORDER) + SWITCH_ORDER
+
+
+def target(name: str, rows: tuple[Target, ...] = TARGETS) -> Target:
     """The row named ``name``; a clear error for any other name."""
-    for row in TARGETS:
+    for row in rows:
         if row.name == name:
             return row
     from vllm_deltasync.errors import DeltaSyncError
 
     raise DeltaSyncError(f"model={name!r} is not a followed target; use one of "
-                         f"{', '.join(repr(t.name) for t in TARGETS)}")
+                         f"{', '.join(repr(t.name) for t in rows)}")
 
 
-def names() -> tuple[str, ...]:
-    return tuple(t.name for t in TARGETS)
+def names(rows: tuple[Target, ...] = TARGETS) -> tuple[str, ...]:
+    return tuple(t.name for t in rows)
 
 
-__all__ = ["DRAFTER", "POLICY", "SWITCH_ORDER", "TARGETS", "Source", "SwitchPolicy", "Target",
-           "Weights", "names", "target"]
+ADAPTER_IDS = (1 << 30, (1 << 31) - 1)
+"""The range of the vLLM adapter ids of followed versions (``lora_int_id``): above the ids
+vLLM's own counter hands ``/v1/load_lora_adapter`` and ``--lora-modules`` (from 1 up), below
+2**31."""
+
+
+def adapter_id(name: str, step: int, identity: str | None) -> int:
+    """The vLLM adapter id of version ``step`` (manifest ``identity``) of adapter ``name``: the
+    same on every rank and every data-parallel engine (each computes it), another one for a
+    step number a restarted trainer publishes again."""
+    digest = hashlib.sha256(f"{name}\0{step}\0{identity or ''}".encode()).digest()
+    lo, hi = ADAPTER_IDS
+    return lo + int.from_bytes(digest[:8], "big") % (hi - lo)
+
+
+__all__ = ["ADAPTER_IDS", "DRAFTER", "LORA_SCOPE", "POLICY", "SWITCH_ORDER", "TARGETS", "Source",
+           "SwitchPolicy", "Target", "Weights", "adapter_id", "adapter_target", "names",
+           "switch_order", "target", "targets_for"]

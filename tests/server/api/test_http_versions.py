@@ -118,6 +118,19 @@ def test_spans_go_to_the_top_level_and_to_each_choice() -> None:
     assert own["choices"][0]["weight_versions"] == [{"version": "9", "start": 0, "end": 1}]
 
 
+def test_a_choice_a_switch_crossed_says_what_its_sequence_did() -> None:
+    body = {"choices": [{"index": 0, "finish_reason": "length"},
+                        {"index": 1, "finish_reason": "length"}]}
+    spans = {0: [{"version": "3", "start": 0, "end": 2}],
+             1: [{"version": "3", "start": 0, "end": 1}, {"version": "4", "start": 1, "end": 5}]}
+    assert inject(body, spans, in_flight="keep_kv")
+    assert "in_flight" not in body["choices"][0]  # one version: nothing happened to it
+    assert body["choices"][1]["in_flight"] == "keep_kv"
+    chunk = {"choices": [{"index": 1, "delta": {}, "finish_reason": "stop"}]}
+    assert inject(chunk, spans, chunk=True, in_flight="continue")
+    assert chunk["choices"][0]["in_flight"] == "continue"
+
+
 def test_a_chunk_carries_the_spans_only_where_it_finishes_a_choice() -> None:
     spans = {0: [{"version": "2", "start": 0, "end": 4}]}
     middle = {"choices": [{"index": 0, "delta": {"content": "x"}, "finish_reason": None}]}

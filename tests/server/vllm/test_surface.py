@@ -138,10 +138,21 @@ def test_a_drafter_symbol_refuses_only_the_drafter(monkeypatch: pytest.MonkeyPat
     """A missing symbol the drafter's following needs (``scope="drafter"``) is a problem of the
     drafter only: the engine's refusal does not name it, the drafter's does."""
     drafter = [s for s in SURFACE if s.scope == "drafter"]
-    assert drafter and all(s.scope == "engine" for s in SURFACE if s not in drafter)
+    assert drafter and all(s.scope in ("engine", "lora") for s in SURFACE if s not in drafter)
     monkeypatch.setenv(failpoints.VARIABLE, failpoints.spec("surface_break", drafter[0].name))
     assert not any(drafter[0].name in line for line in surface_check.cached_problems())
     assert any(drafter[0].name in line for line in surface_check.cached_problems("drafter"))
     monkeypatch.setenv(failpoints.VARIABLE, failpoints.spec("surface_break", SURFACE[0].name))
     assert not any(SURFACE[0].name in line for line in surface_check.cached_problems("drafter"))
     assert any(SURFACE[0].name in line for line in surface_check.cached_problems())
+
+
+def test_a_lora_symbol_refuses_only_the_adapters(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A missing symbol the LoRA adapters' following needs (``scope="lora"``) refuses the
+    adapters only: neither the engine's refusal nor the drafter's names it."""
+    lora = [s for s in SURFACE if s.scope == "lora"]
+    assert lora
+    monkeypatch.setenv(failpoints.VARIABLE, failpoints.spec("surface_break", lora[0].name))
+    assert any(lora[0].name in line for line in surface_check.cached_problems("lora"))
+    assert not any(lora[0].name in line for line in surface_check.cached_problems())
+    assert not any(lora[0].name in line for line in surface_check.cached_problems("drafter"))

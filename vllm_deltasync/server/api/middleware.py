@@ -15,6 +15,7 @@ import json
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from vllm_deltasync.server.api.adapters import Choice, parse_model
 from vllm_deltasync.server.api.versions import (
     CALLS,
     EXACT_HEADER,
@@ -24,6 +25,7 @@ from vllm_deltasync.server.api.versions import (
     Calls,
     Engine,
     admit,
+    admit_adapter,
     conflict_body,
     header_value,
     inject,
@@ -55,17 +57,62 @@ class VersionMiddleware:
                                                    "BadRequestError", "code": 400,
                                                    "param": None}})
             return
+        adapter: Choice | None = None
+        adapters = state.adapters
+        if adapters is not None:
+            body, receive = await _read_body(receive)
+            parsed = parse_model(_model_of(body), adapters.names)
+            if parsed is not None:
+                chosen = await admit_adapter(state, adapters, *parsed, demand)
+                if not isinstance(chosen, Choice):
+                    await _send_json(send, *chosen)
+                    return
+                adapter, demand = chosen, None  # the demand applied to the adapter
         if demand is not None:
             refused = await admit(state, *demand)
             if refused is not None:
                 await _send_json(send, 409, refused[0], refused[1])
                 return
-        calls = Calls()
+        calls = Calls(adapter)
         token = CALLS.set(calls)
         try:
             await self.app(scope, receive, _Responder(send, state, calls, demand).send)
         finally:
             CALLS.reset(token)
+
+
+async def _read_body(receive: Callable[..., Any]) -> tuple[bytes, Callable[..., Any]]:
+    """The request's whole body, and a ``receive`` that hands it on unchanged."""
+    parts: list[bytes] = []
+    while True:
+        message = await receive()
+        if message.get("type") != "http.request":
+            break  # a disconnect: the app sees it after the body
+        parts.append(message.get("body", b""))
+        if not message.get("more_body", False):
+            break
+    body = b"".join(parts)
+    sent = False
+
+    async def replay() -> dict[str, Any]:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return dict(await receive())
+
+    return body, replay
+
+
+def _model_of(body: bytes) -> Any:
+    """The ``model`` of a JSON request body (None when it is not one)."""
+    if b'"model"' not in body:
+        return None
+    try:
+        parsed = json.loads(body)
+    except ValueError:
+        return None
+    return parsed.get("model") if isinstance(parsed, dict) else None
 
 
 async def _send_json(send: Callable[..., Any], status: int, body: dict[str, Any],
@@ -141,7 +188,7 @@ class _Responder:
                                                self._demand[1]),
                                  {"Retry-After": "1", HEADER: current})
                 return
-            if inject(body, by_choice):
+            if inject(body, by_choice, in_flight=self._state.in_flight):
                 data = json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
         start = dict(self._start)
         start["headers"] = _with_header(start.get("headers", ()), header_value(versions),
@@ -151,7 +198,8 @@ class _Responder:
 
     async def _stream(self, message: dict[str, Any]) -> None:
         if self._start is not None:
-            versions = self._state.so_far(self._calls.request_ids) or self._calls.versions()
+            versions = ([self._calls.fixed] if self._calls.fixed is not None else
+                        self._state.so_far(self._calls.request_ids) or self._calls.versions())
             value = header_value(versions) if versions else await self._state.current()
             start = dict(self._start)
             start["headers"] = _with_header(start.get("headers", ()), value)
@@ -173,7 +221,8 @@ class _Responder:
             obj = json.loads(payload)
         except ValueError:
             return event
-        if isinstance(obj, dict) and inject(obj, self._calls.by_choice(), chunk=True):
+        if isinstance(obj, dict) and inject(obj, self._calls.by_choice(), chunk=True,
+                                            in_flight=self._state.in_flight):
             return b"data: " + json.dumps(obj, ensure_ascii=False,
                                           separators=(",", ":")).encode()
         return event

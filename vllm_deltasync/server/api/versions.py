@@ -13,6 +13,13 @@ responses, ``server/vllm/http.py`` hands it vLLM's engine client). For
   ``X-Exact-Weight-Version: N`` is served only while N is the applied step (else 409). A value
   that is not a step, an over-long value, a header given twice, or both headers: 400 with one
   line naming the header.
+
+For a request naming a followed LoRA adapter (``model="<name>"`` or ``"<name>@<step>"``,
+``adapters.py``) the version is the adapter's step: :func:`admit_adapter` chooses the version
+that serves it and applies the headers to that adapter (``X-Min-Weight-Version: N``: the
+newest step of the adapter, once it is N or newer; ``X-Exact-Weight-Version: N``: step N while
+it is kept), and the spans and the header carry the adapter's step (:attr:`Calls.fixed`: a
+request never changes version).
 """
 
 from __future__ import annotations
@@ -24,6 +31,8 @@ import re
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
+
+from vllm_deltasync.server.api.adapters import Adapters, Choice, not_kept, unavailable
 
 PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/inference/v1/generate"})
 HEADER = "X-Weight-Version"
@@ -100,10 +109,16 @@ def header_value(versions: Sequence[str]) -> str:
 class Calls:
     """The engine requests one HTTP request made (one per prompt), and each choice's spans."""
 
-    def __init__(self) -> None:
+    def __init__(self, adapter: Choice | None = None) -> None:
         self.request_ids: list[str] = []
         self.fanout: list[int] = []
         self.spans: dict[tuple[int, int], list[dict[str, Any]]] = {}
+        self.adapter = adapter
+        """The adapter version the middleware chose for this request (``admit_adapter``)."""
+        self.fixed: str | None = None if adapter is None else str(adapter.step)
+        """The one version of every token (an adapter request's step), else None."""
+        self.retired: str | None = None
+        """Why an engine refused the request's adapter version when it was added."""
 
     def start(self, request_id: str, n: int) -> int:
         self.request_ids.append(request_id)
@@ -111,8 +126,11 @@ class Calls:
         return len(self.request_ids) - 1
 
     def record(self, call: int, index: int, spans: Sequence[Any]) -> None:
-        self.spans[(call, index)] = [{"version": str(s.version), "start": int(s.start),
-                                      "end": int(s.end)} for s in spans]
+        rows = [{"version": str(s.version), "start": int(s.start), "end": int(s.end)}
+                for s in spans]
+        if self.fixed is not None and rows:  # an adapter version: one span of its step
+            rows = [{"version": self.fixed, "start": rows[0]["start"], "end": rows[-1]["end"]}]
+        self.spans[(call, index)] = rows
 
     def choice_index(self, call: int, index: int) -> int:
         """The response's choice index: vLLM numbers choices prompt by prompt, ``n`` each."""
@@ -131,10 +149,13 @@ def tagged(by_choice: Mapping[int, list[dict[str, Any]]]) -> list[dict[str, Any]
 
 
 def inject(body: dict[str, Any], by_choice: Mapping[int, list[dict[str, Any]]], *,
-           chunk: bool = False) -> bool:
+           chunk: bool = False, in_flight: str | None = None) -> bool:
     """Add the spans to a response object or a streamed ``chunk``: to each choice in
     ``by_choice`` (a chunk: only the choices it finishes) that lacks them, and at the top
-    level. False when the object has no choice to annotate."""
+    level. A choice whose tokens came from more than one version also says what its running
+    sequence did at the switch (``in_flight``: ``keep_kv``, ``continue``, ``drain``: the
+    server's mode, docs/extension.md "Switch semantics"). False when the object has no choice
+    to annotate."""
     choices = body.get("choices")
     if not isinstance(choices, list):
         return False
@@ -150,6 +171,8 @@ def inject(body: dict[str, Any], by_choice: Mapping[int, list[dict[str, Any]]], 
             continue
         if not choice.get("weight_versions"):
             choice["weight_versions"] = spans
+        if in_flight and len({str(s.get("version")) for s in spans}) > 1:
+            choice["in_flight"] = in_flight
         annotated[index] = spans
     if not annotated:
         return False
@@ -172,6 +195,9 @@ class Engine(Protocol):
     wait_s: float
     """``min_version_wait_s``."""
 
+    in_flight: str
+    """The server's ``in_flight`` mode, stated in each choice a switch crossed."""
+
     async def current(self) -> str:
         """The weight version the engine reports now."""
 
@@ -180,6 +206,13 @@ class Engine(Protocol):
 
     def count(self, reason: str) -> None:
         """Count a 409 on the engine core's ``/metrics``."""
+
+    @property
+    def adapters(self) -> Adapters | None:
+        """The followed LoRA adapters' versions (None: the server follows none)."""
+
+    async def refresh(self) -> None:
+        """Read the engines' adapter versions now."""
 
 
 CALLS: contextvars.ContextVar[Calls | None] = contextvars.ContextVar("deltasync_calls",
@@ -223,6 +256,71 @@ async def admit(state: Engine, kind: str,
             {"Retry-After": retry, HEADER: current})
 
 
+async def admit_adapter(state: Engine, adapters: Adapters, name: str, step: int | None,
+                        demand: tuple[str, int] | None
+                        ) -> Choice | tuple[int, dict[str, Any], dict[str, str]]:
+    """The version of adapter ``name`` that serves a request for ``<name>`` (``step`` None)
+    or ``<name>@<step>``, with the request's ``demand`` applied to the adapter (module doc);
+    else the status, body and headers to answer (404 for a step not kept, 503 when nothing is
+    servable, 409 for a demand it cannot meet)."""
+    if demand is not None:
+        out = await _adapter_demand(state, adapters, name, step, demand)
+        if not isinstance(out, int):
+            return out
+        step = out
+    choice = adapters.choose(name, step)
+    if choice is None and step is not None:
+        await state.refresh()  # a step applied since the last read
+        choice = adapters.choose(name, step)
+    if choice is not None:
+        return choice
+    if step is not None and adapters.newest(name) is not None:
+        return 404, not_kept(adapters, name, step), {}
+    return 503, unavailable(adapters, name), {"Retry-After": "1"}
+
+
+async def _adapter_demand(state: Engine, adapters: Adapters, name: str, step: int | None,
+                          demand: tuple[str, int]
+                          ) -> int | tuple[int, dict[str, Any], dict[str, str]]:
+    """The step to serve under ``demand``, or the 409 (``admit`` for an adapter)."""
+    kind, want = demand
+    if kind == "exact":
+        if (step is None or step == want) and want in adapters.steps(name):
+            return want
+        newest = adapters.newest(name)
+        reason = "exact_passed" if newest is not None and newest > want else "exact_behind"
+        if step is not None and step != want:
+            reason = "exact_passed" if step < want else "exact_behind"
+        message = (f"{EXACT_HEADER}: step {want} of adapter {name!r} is not "
+                   + (f"the requested {name}@{step}" if step is not None else "kept")
+                   + f" (kept: {adapters.steps(name)})")
+        return _adapter_conflict(state, adapters, name, reason, message, want)
+    deadline = time.monotonic() + (0.0 if step is not None else state.wait_s)
+    while True:
+        have = step if step is not None else adapters.newest(name)
+        if have is not None and have >= want:
+            return have
+        left = deadline - time.monotonic()
+        if left <= 0:
+            break
+        await asyncio.sleep(min(POLL_S, left))
+        await state.refresh()
+    message = (f"{MIN_HEADER}: step {want} of adapter {name!r} is not applied"
+               + (f" (the request names {name}@{step})" if step is not None else
+                  f" after {state.wait_s:g} s (newest: {adapters.newest(name)}); retry later"))
+    return _adapter_conflict(state, adapters, name, "min_timeout", message, want)
+
+
+def _adapter_conflict(state: Engine, adapters: Adapters, name: str, reason: str, message: str,
+                      want: int) -> tuple[int, dict[str, Any], dict[str, str]]:
+    state.count(reason)
+    current = str(adapters.newest(name)) if adapters.newest(name) is not None else "none"
+    headers = {HEADER: current}
+    if reason in ("exact_behind", "min_timeout"):
+        headers["Retry-After"] = "1"
+    return 409, conflict_body(reason, message, current, want), headers
+
+
 __all__ = ["CALLS", "EXACT_HEADER", "HEADER", "MAX_DIGITS", "MIN_HEADER", "PATHS", "BadDemand",
-           "Calls", "Engine", "admit", "conflict_body", "header_value", "inject",
+           "Calls", "Engine", "admit", "admit_adapter", "conflict_body", "header_value", "inject",
            "parse_demand", "step_of", "tagged"]

@@ -41,7 +41,7 @@ from vllm_deltasync.server.engine.kv import KvVersions, Requests, unknown_identi
 from vllm_deltasync.server.engine.switch import Failpoint, SwitchHeld, fatal
 from vllm_deltasync.server.messages import EngineStatus, RankStatus, TargetStatus
 from vllm_deltasync.server.metrics import SyncMetrics
-from vllm_deltasync.server.targets import SWITCH_ORDER, TARGETS
+from vllm_deltasync.server.targets import TARGETS, Target, switch_order, targets_for
 
 logger = logging.getLogger(__name__)
 
@@ -53,9 +53,10 @@ PRIMARY = TARGETS[0].name
 OTHERS = tuple(t.name for t in TARGETS[1:])
 
 
-def parse_statuses(raw: Any) -> list[RankStatus]:
-    """Every rank's ``deltasync_status`` answer, parsed (``MessageError`` if one is not)."""
-    return [RankStatus.from_wire(r, primary=PRIMARY, others=OTHERS) for r in raw]
+def parse_statuses(raw: Any, others: tuple[str, ...] = OTHERS) -> list[RankStatus]:
+    """Every rank's ``deltasync_status`` answer, parsed (``MessageError`` if one is not);
+    ``others``: the names of the server's targets beside the primary one."""
+    return [RankStatus.from_wire(r, primary=PRIMARY, others=others) for r in raw]
 
 
 class Coordinator:
@@ -78,9 +79,13 @@ class Coordinator:
         self.server: MetricsServer | None = None
         self.gate = Gate(engine, config.max_drain_wait_s)
         self.failpoint = Failpoint()
+        self.rows: tuple[Target, ...] = targets_for(config)
+        """The server's target table (``server/targets.py``): the policy, the drafter, then
+        each LoRA adapter of ``lora_urls``."""
+        self._others = tuple(t.name for t in self.rows[1:])
         self.followers = {t.name: TargetFollower(engine, config, t, self.gate, self.failpoint,
                                                  self.metrics, self.read_statuses, self.kv)
-                          for t in SWITCH_ORDER}
+                          for t in switch_order(self.rows)}
         self.ranks: list[RankStatus] = []
         self._last_error: str | None = None
         self.active = False
@@ -122,7 +127,11 @@ class Coordinator:
         self._last_error = None if text is None else redact_text(text)
 
     def read_statuses(self) -> list[RankStatus]:
-        return parse_statuses(self.engine.collective_rpc("deltasync_status"))
+        return self.parse(self.engine.collective_rpc("deltasync_status"))
+
+    def parse(self, raw: Any) -> list[RankStatus]:
+        """Every rank's status answer, with this server's targets."""
+        return parse_statuses(raw, self._others)
 
     # ----------------------------------------------------------------- lifecycle
     def start(self, refuse: str | None = None) -> None:
@@ -138,10 +147,10 @@ class Coordinator:
             self._refuse(refuse)
             return
         try:
-            self.ranks = parse_statuses(self.engine.collective_rpc("deltasync_start"))
+            self.ranks = self.parse(self.engine.collective_rpc("deltasync_start"))
             if not self._refused():
                 self._proof_classes = sorted({c for s in self.statuses for c in s.proof_classes})
-                self.ranks = parse_statuses(self.engine.collective_rpc(
+                self.ranks = self.parse(self.engine.collective_rpc(
                     "deltasync_prove", args=(self._proof_classes,)))
         except Exception as exc:  # noqa: BLE001 - the server keeps serving its checkpoint
             self.last_error = f"{type(exc).__name__}: {exc}"
@@ -151,7 +160,7 @@ class Coordinator:
         if self.last_error is not None:
             self._refuse(self.last_error)
             return
-        self.ranks = parse_statuses(self.engine.collective_rpc("deltasync_follow"))
+        self.ranks = self.parse(self.engine.collective_rpc("deltasync_follow"))
         self.active = True
         if self._wake is not None:
             self._timer = threading.Thread(target=self._run_timer, name="deltasync-wake",
@@ -183,7 +192,7 @@ class Coordinator:
                      "and applies no step: %s", reason)
         try:
             stopped = self.engine.collective_rpc("deltasync_stop", args=(reason,))
-            self.ranks = parse_statuses(s for s in stopped if s is not None) or self.ranks
+            self.ranks = self.parse(s for s in stopped if s is not None) or self.ranks
         except Exception as exc:  # noqa: BLE001 - still report the refusal
             logger.error("deltasync could not stop every rank: %s", exc)
         if not self.ranks:
@@ -307,7 +316,7 @@ class Coordinator:
         logger.warning("deltasync: the weights were reloaded outside deltasync (weight version "
                        "was %s, now %s); proving the rebuilt map again, then resyncing through "
                        "the newest anchor", label, self.engine.get_weight_version())
-        self.ranks = parse_statuses(self.engine.collective_rpc(
+        self.ranks = self.parse(self.engine.collective_rpc(
             "deltasync_prove", args=(self._proof_classes,), kwargs={"again": True}))
         reason = self._refused()
         if reason is not None:
@@ -360,7 +369,36 @@ class Coordinator:
             reloads=self._reloads,
             metrics_port=self.server.port if self.server is not None else None,
             targets=reports, primary=PRIMARY)
-        return status.to_wire([t.name for t in TARGETS])
+        return status.to_wire([t.name for t in self.rows])
+
+    # ------------------------------------------------------------------ LoRA adapters
+    def lora_versions(self) -> dict[str, Any]:
+        """Each followed adapter's versions requests may use on this engine, and why it does
+        not follow (``deltasync_lora_versions``, read by the API server: server/vllm/http.py)."""
+        out: dict[str, Any] = {}
+        for name, f in self.followers.items():
+            if f.versions is not None:
+                statuses = [s for r in self.ranks if (s := r.of(name)) is not None]
+                out[name] = f.versions.report(statuses)
+        return out
+
+    def admits_adapter(self, adapter: int) -> str | None:
+        """Why a request naming vLLM adapter id ``adapter`` may not be added, or None: one of
+        our versions' ids that no followed adapter may serve now (retired, retiring, or a
+        name the API did not resolve). Any other id (the user's own adapters) is vLLM's."""
+        from vllm_deltasync.server.engine.versions import is_ours
+
+        if not is_ours(adapter):
+            return None
+        kept = []
+        for name, f in self.followers.items():
+            if f.versions is None:
+                continue
+            if f.versions.admits(adapter):
+                return None
+            kept += [f"{name}@{v.step}" for v in f.versions.servable()]
+        return (f"adapter version id {adapter} is not kept on this engine (kept: "
+                f"{', '.join(kept) or 'none'}); the request is failed")
 
 
 __all__ = ["FAILING_AFTER", "Coordinator", "parse_statuses"]

@@ -17,6 +17,10 @@ on the result:
 - the commit did not reach every rank: the switch stands and the commit is sent again while
   a rank reports it pending (no switch starts meanwhile); a pending switch the follower did
   not leave holds the target (someone called ``deltasync_apply`` by hand).
+
+A target whose steps are versions kept side by side (``SwitchPolicy.versions_kept``: a LoRA
+adapter) also has its :class:`~.versions.KeptVersions`: at each tick older versions no request
+uses are removed, and a switch waits while it would keep more than ``versions_kept``.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from vllm_deltasync.server.engine.handle import EngineCore
 from vllm_deltasync.server.engine.kv import KvVersions
 from vllm_deltasync.server.engine.ready import common_ready
 from vllm_deltasync.server.engine.switch import CommitFailed, Failpoint, Switch
+from vllm_deltasync.server.engine.versions import KeptVersions
 from vllm_deltasync.server.messages import RankStatus, SwitchRecord, TargetReport, TargetStatus
 from vllm_deltasync.server.targets import Target
 
@@ -85,6 +90,9 @@ class TargetFollower:
         it staged everywhere until its switch."""
         self.max_wait_ticks = 0
         """The longest a step staged on every rank waited for its switch, in ticks."""
+        self.versions = (KeptVersions(engine, target)
+                         if target.policy.versions_kept is not None else None)
+        """Versions kept side by side (``versions.py``), None for weights written in place."""
 
     @property
     def last_error(self) -> str | None:
@@ -106,6 +114,8 @@ class TargetFollower:
         self.ticks += 1
         if not self.follows:
             return
+        if self.versions is not None:
+            self.statuses = self.versions.tick(self.statuses) or self.statuses
         self.watch_staged(trainer_driven)
         if self.held is not None and self.resync_held():
             return
@@ -123,6 +133,9 @@ class TargetFollower:
             self._due = None  # switched on another schedule: not a wait of ours
             return
         if self.policy.drains and self.config.in_flight == "drain" and not self.gate.drained():
+            return
+        if self.versions is not None and not self.versions.room():
+            self._due = None  # waits for requests on an older version, not for the engine
             return
         self.switch(*found)
 
@@ -146,6 +159,8 @@ class TargetFollower:
             self.label = str(step)
             self.metrics.observe_switch(step, out.pause_s)
         self.last_switched = step
+        if self.versions is not None:
+            self.versions.switched(step, identity)
         self._waited()
         if self.held is not None:
             self._release_hold(step)
@@ -302,6 +317,8 @@ class TargetFollower:
         if not self.statuses:
             return None
         return TargetReport(
+            versions=(() if self.versions is None
+                      else tuple((v.step, v.adapter) for v in self.versions.servable())),
             switches=tuple(self.switches), failures=self.failures, last_error=self.last_error,
             max_wait_ticks=self.max_wait_ticks, ticks=self.ticks,
             held=self.held, holds=tuple(dict(h) for h in self.holds),

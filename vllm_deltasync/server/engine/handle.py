@@ -41,5 +41,8 @@ class EngineCore(Protocol):
     def has_unfinished_requests(self) -> bool:
         """Some request is running or waiting."""
 
+    def lora_ids_in_use(self) -> set[int]:
+        """The LoRA adapter ids of every unfinished request (running, waiting, preempted)."""
+
 
 __all__ = ["EngineCore", "Pause"]

@@ -11,12 +11,12 @@ versions are not dropped: no new request can reach them, and they age out under 
 a request keeps exactly the salt it came with.
 
 The identities that determine a request's weights: the applied manifest identity of every
-target whose ``SwitchPolicy.kv_scope`` is ``"every"`` (the policy), plus, for a request naming
-a LoRA adapter that is followed, that adapter's applied identity (:func:`adapter_key`; a row
-with ``kv_scope="adapter"`` is named as requests name the adapter). Never the drafter's
+target whose ``SwitchPolicy.kv_scope`` is ``"every"`` (the policy). Never the drafter's
 (``kv_scope="none"``): the target model's KV depends only on the target's weights, and
 speculative decoding's output is the target model's whatever the draft; a draft layer's KV
-computed by an older draft only lowers acceptance.
+computed by an older draft only lowers acceptance. Nor a followed LoRA adapter's
+(``kv_scope="none"``): each of its steps is a vLLM adapter of its own name
+(``server/engine/versions.py``), and vLLM's block hashes already cover that name.
 
 At a switch (:meth:`KvVersions.switched`), for the requests the switched weights determine:
 
@@ -76,11 +76,6 @@ def cache_salt(user: str | None, identities: Iterable[tuple[str, str]]) -> str |
     return SALT_PREFIX + digest if user is None else f"{SALT_PREFIX}{digest}:{user}"
 
 
-def adapter_key(name: str) -> str:
-    """The key of LoRA adapter ``name`` (as requests name it) among a request's identities."""
-    return f"adapter:{name}"
-
-
 def unknown_identity(key: str) -> str:
     """An identity no other weights share: weights written behind our back, or a switch whose
     manifest identity is unknown (format 1)."""
@@ -98,9 +93,6 @@ class Requests(Protocol):
 
     def salt(self, request: Any) -> str | None:
         """The request's ``cache_salt`` now."""
-
-    def adapter(self, request: Any) -> str | None:
-        """The LoRA adapter the request names, None for the base model."""
 
     def resalt(self, request: Any, salt: str | None) -> None:
         """Give the request ``salt`` and compute its block hashes again from it."""
@@ -144,12 +136,7 @@ class KvVersions:
 
     def keys_of(self, request: Any) -> list[str]:
         """The keys whose identities determine ``request``'s weights (followed ones only)."""
-        keys = [k for k in self._every if k in self.identities]
-        if self._requests is not None:
-            adapter = self._requests.adapter(request)
-            if adapter is not None and adapter_key(adapter) in self.identities:
-                keys.append(adapter_key(adapter))
-        return keys
+        return [k for k in self._every if k in self.identities]
 
     def salt_for(self, request: Any) -> str | None:
         """The salt ``request`` runs with on the weights applied now."""
@@ -172,11 +159,8 @@ class KvVersions:
             self.admitted += 1
 
     def _concerns(self, request: Any, key: str) -> bool:
-        if key in self._every:
-            return True
-        assert self._requests is not None
-        adapter = self._requests.adapter(request)
-        return adapter is not None and adapter_key(adapter) == key
+        del request  # every request, for every key with kv_scope "every" (module doc)
+        return key in self._every
 
     def switched(self, key: str, identity: str, in_flight: str) -> KvSwitch:
         """The weights of ``key`` are now ``identity``: re-salt and preempt as ``in_flight``
@@ -220,4 +204,4 @@ class KvVersions:
 
 
 __all__ = ["IDLE", "NEW", "OTHER", "RECOMPUTES", "RUNNING", "SALT_PREFIX", "KvSwitch",
-           "KvVersions", "Requests", "adapter_key", "cache_salt", "unknown_identity"]
+           "KvVersions", "Requests", "cache_salt", "unknown_identity"]

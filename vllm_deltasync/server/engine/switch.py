@@ -35,7 +35,7 @@ from vllm_deltasync import failpoints
 from vllm_deltasync.config import SyncConfig
 from vllm_deltasync.errors import DeltaSyncError
 from vllm_deltasync.server.engine.handle import EngineCore
-from vllm_deltasync.server.engine.kv import KvSwitch, KvVersions, adapter_key, unknown_identity
+from vllm_deltasync.server.engine.kv import KvSwitch, KvVersions, unknown_identity
 from vllm_deltasync.server.messages import (
     ApplyAnswer,
     CommitAnswer,
@@ -121,9 +121,7 @@ class Switch:
         self.failpoint = failpoint
         self.kv = kv
         self.kwargs = {"model": target.name}
-        scope = target.policy.kv_scope
-        self.kv_key = (None if scope == "none" else adapter_key(target.name) if scope == "adapter"
-                       else target.name)
+        self.kv_key = None if target.policy.kv_scope == "none" else target.name
         """The key of its identity among the requests' (``kv.py``); None: it salts nobody."""
         self._kv_before: tuple[str | None] | None = None
         """The identity before the engine part changed it (to restore on a take-back)."""

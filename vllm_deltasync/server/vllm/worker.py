@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from vllm_deltasync.server.vllm.loaders import LOADER
+from vllm_deltasync.server.vllm.lora import lora_slots
 from vllm_deltasync.server.worker.target import TargetRank
 from vllm_deltasync.server.worker.view import WorkerView
 
@@ -39,6 +40,7 @@ def view_of(worker: Any) -> WorkerView:
         layout_specs=lambda: layout_specs(worker.model_runner.model),
         probe_forward=lambda: probe_forward(worker),
         module_forward=module_forward,
+        lora=lora_slots(worker),
     )
 
 

@@ -167,6 +167,12 @@ class Poller:
         self._stager.shutdown(wait=True, cancel_futures=True)
         self.state.drop_staged()
 
+    def halt(self) -> None:
+        """Stop following after the current round, from any thread (the staging thread's
+        refusal: :meth:`close` would wait for that thread); :meth:`close` still ends it for
+        good."""
+        self._closing = True
+
     async def _shutdown(self) -> None:
         """On the loop: the main task ends first (nothing then uses the reader), then the
         reader and the watcher close."""

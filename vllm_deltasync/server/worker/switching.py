@@ -8,6 +8,10 @@ it knows whether it ever started writing a step (``applied``, ``nothing_written`
 ``put_back``, ``unknown``). None of them raises an ``Exception``: vLLM's multiprocessing
 executor stops reading the later ranks' answers at the first RPC that raises.
 
+What is written and how it is put back is the target's :class:`Writer`, chosen by its row
+(``Target.writer``): parameters written in place (``inplace.py``), or a new LoRA adapter version
+registered with vLLM's LoRA manager (``adapters.py``). The switch is the same for both.
+
 Runs on the worker's main thread, between two model steps (vLLM calls it through
 ``collective_rpc`` in the same FIFO as ``execute_model``).
 """
@@ -16,10 +20,8 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
-
-import torch
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING, Any, Protocol
 
 from vllm_deltasync import failpoints
 from vllm_deltasync._urls import redact_text
@@ -36,10 +38,35 @@ from vllm_deltasync.server.messages import (
 from vllm_deltasync.server.worker.state import Applied, PendingSwitch, StagedStep
 
 if TYPE_CHECKING:
-    from vllm_deltasync.server.worker.shardmap import Piece
-    from vllm_deltasync.server.worker.target import TargetRank
+    from vllm_deltasync.server.worker.target import FollowedTarget
 
 logger = logging.getLogger(__name__)
+
+
+class Writer(Protocol):
+    """How one target's rank writes its steps and puts them back (module doc)."""
+
+    def check(self) -> None:
+        """Before anything is written: :class:`ApplyError` when the target's weights were
+        changed behind our back (the rank forgot its step: the switch answers unknown)."""
+
+    def writing(self, step: int) -> AbstractContextManager[Any]:
+        """Around the writes of a switch to ``step``: yields the undo that records them."""
+
+    def write(self, staged: StagedStep[Any], undo: Any) -> int:
+        """Write one staged step on top of what is written (``undo`` records it); the
+        elements (or tensors) written. Raises with ``undo`` holding what was written."""
+
+    def finish(self, step: int, taken: list[StagedStep[Any]], undo: Any) -> tuple[int, float]:
+        """After every step is written: (layers repacked, seconds) for the kernels."""
+
+    def put_back(self, undo: Any) -> bool:
+        """Put back what ``undo`` recorded; True when anything had been written. Raises when
+        it could not (the weights are unknown)."""
+
+    def settled(self) -> None:
+        """After writes or a put-back of ours (so they are not taken for writes behind our
+        back)."""
 
 
 class ApplyFailed(ApplyError):
@@ -53,7 +80,7 @@ class ApplyFailed(ApplyError):
 class RankSwitch:
     """The switch RPCs of one target on one rank (module doc)."""
 
-    def __init__(self, owner: TargetRank) -> None:
+    def __init__(self, owner: FollowedTarget) -> None:
         self.owner = owner
         self._writing: int | None = None
         """The step whose apply started here and has not answered (it escaped, or the test
@@ -94,41 +121,32 @@ class RankSwitch:
         return ApplyAnswer(self.owner.rank, outcome, error=error)
 
     def _apply(self, step: int, identity: str | None) -> LastApply:
-        from vllm_deltasync.server.worker.apply import Undo
-
+        writer = self.owner.writer
         if self.owner.refused is not None:
             raise ApplyFailed(f"rank {self.owner.rank} does not follow: {self.owner.refused}",
                               outcome=Outcome.NOTHING_WRITTEN)
         try:
-            self._check_params_unchanged()
+            writer.check()
         except ApplyError as exc:  # the rank forgot its step: the weights are the reload's
             raise ApplyFailed(str(exc), outcome=Outcome.UNKNOWN) from exc
         before = self.owner.sync.applied
-        undo = Undo()
         started = time.perf_counter()
         written = 0
-        prebuilt = self.owner.writes.take(step)
-        with self.owner.writes.writing():  # kernels packed ahead are void from here
+        with writer.writing(step) as undo:
             try:
                 taken = self.owner.sync.take(step, rank=self.owner.rank)
                 check_chain(self.owner.rank, before, taken, identity)  # before anything is written
                 for staged in taken:
                     written += self._write_one(staged, undo)
-                t0 = time.perf_counter()
-                params = [piece.param for piece, _ in undo.entries]
-                if prebuilt is not None and [s.step for s in taken] == [prebuilt.step]:
-                    repacked = self.owner.packed.swap(prebuilt, params)
-                else:
-                    repacked = self.owner.packed.refresh(params)
-                repack_s = time.perf_counter() - t0
+                repacked, repack_s = writer.finish(step, taken, undo)
             except Exception as exc:
                 self.owner.stats.add_failure("apply", exc)
                 error = f"{type(exc).__name__}: {exc}"
                 outcome = self._put_back(undo, before, step, error)
                 self.owner.sync.switch_failed(step, outcome.as_before, error)
-                self.owner.mark_written()
+                writer.settled()
                 raise ApplyFailed(str(exc), outcome=outcome) from exc
-        self.owner.mark_written()
+        writer.settled()
         done = LastApply(
             step=step, steps=tuple(s.step for s in taken),
             kinds=tuple(s.manifest.kind for s in taken),
@@ -141,17 +159,9 @@ class RankSwitch:
         self.owner.sync.switched(PendingSwitch(step, undo, before), done)
         return done
 
-    def _write_one(self, staged: StagedStep[list[Piece]], undo: Any) -> int:
-        from vllm_deltasync.server.worker.apply import apply_patches
-
+    def _write_one(self, staged: StagedStep[Any], undo: Any) -> int:
         t0 = time.perf_counter()
-        fail_after = self._apply_failpoint(staged.step)
-        pieces = staged.payload if fail_after is None else staged.payload[:fail_after]
-        n = apply_patches(pieces, undo)
-        if fail_after is not None:
-            raise ApplyError(f"rank {self.owner.rank}: failpoint apply at step {staged.step} after "
-                             f"{len(pieces)} pieces")
-        _synchronize(staged.payload)
+        n = self.owner.writer.write(staged, undo)
         restart = self.owner.sync.mark_applied(staged.manifest)
         if restart is not None:
             self.owner.stats.add_branch_change()
@@ -159,13 +169,6 @@ class RankSwitch:
         kind = "anchor" if staged.manifest.kind == "anchor" else "delta"
         self.owner.stats.add_apply(kind, time.perf_counter() - t0, n)
         return n
-
-    def _apply_failpoint(self, step: int) -> int | None:
-        """Test-only (``failpoints.py``, ``apply``): pieces to write before raising, once."""
-        for args in failpoints.armed("apply"):
-            if args[:3] == (self.owner.name, str(self.owner.rank), str(step)) and failpoints.once("apply", args):
-                return int(args[3])
-        return None
 
     def commit(self, step: int) -> CommitAnswer:
         """The engine core made the switch to ``step`` final: drop its undo. Idempotent (the
@@ -208,7 +211,7 @@ class RankSwitch:
             try:
                 return self._put_back(pending.undo, pending.before, step, reason)
             finally:
-                self.owner.mark_written()
+                self.owner.writer.settled()
         if self.owner.sync.already_reverted(step):
             self.owner.sync.set_switch_error(reason)
             return Outcome.PUT_BACK
@@ -233,25 +236,13 @@ class RankSwitch:
     def _put_back(self, undo: Any, before: Applied, step: int, reason: str) -> Outcome:
         """Revert ``undo`` and rewind to ``before``; ``UNKNOWN`` (and a reset) when the weights
         could not be put back."""
-        pieces = [piece for piece, _ in undo.entries]
         try:
-            with self.owner.writes.writing():
-                undo.revert()
-                _synchronize(pieces)
-                self.owner.packed.refresh(piece.param for piece in pieces)
+            wrote = self.owner.writer.put_back(undo)
         except Exception as exc:  # noqa: BLE001 - reported: the weights are unknown now
             self.owner.sync.reset(f"{reason}; could not put the weights back: {exc}")
             return Outcome.UNKNOWN
         self.owner.sync.rewind(before, step, reason)
-        return Outcome.PUT_BACK if pieces else Outcome.NOTHING_WRITTEN
-
-    def _check_params_unchanged(self) -> None:
-        """vLLM's reload_weights (or any write but ours) may have replaced or rewritten
-        parameters: then re-derive the map and go to an anchor (:meth:`check_reload`)."""
-        if self.owner.check_reload():
-            raise ApplyError(f"rank {self.owner.rank}: the model's weights were changed outside "
-                             "deltasync (reload_weights?); the shard map was rebuilt and the "
-                             "engine resyncs through the next anchor")
+        return Outcome.PUT_BACK if wrote else Outcome.NOTHING_WRITTEN
 
 
 def check_chain(rank: int, before: Applied, taken: list[StagedStep[Any]],
@@ -278,12 +269,4 @@ def check_chain(rank: int, before: Applied, taken: list[StagedStep[Any]],
                          f"{short_id(identity)}; not applied")
 
 
-
-def _synchronize(pieces: Iterable[Any]) -> None:
-    first = next(iter(pieces), None)
-    if first is not None and first.param.device.type == "cuda":
-        torch.cuda.synchronize(first.param.device)
-
-
-
-__all__ = ["ApplyFailed", "RankSwitch", "check_chain"]
+__all__ = ["ApplyFailed", "RankSwitch", "Writer", "check_chain"]

@@ -1,10 +1,16 @@
-"""One followed target on one rank: shard map, poller, proof, and its half of the switch.
+"""One followed target on one rank: poller, sync state, its half of the switch; for parameters
+written in place also the shard map and the proof.
 
-A :class:`TargetRank` is built on the worker's main thread by the extension's
-``deltasync_start``, one per followed target (``server/targets.py``): the policy always, the
-drafter when a drafter bucket is configured, next LoRA adapters. All of them are the same
-class; the row of the target says what differs (its source, its model, whether it learns
-layouts). It receives a typed view of the worker (``view.py``) and reads nothing else of vLLM.
+:class:`FollowedTarget` is what every target's rank holds, whatever it writes: its row, its
+settings, its sync state, its poller and its half of the switch (``switching.py``), driven
+through a writer its row chooses (``Target.writer``). :class:`TargetRank` is the one for
+parameters written in place (the policy always, the drafter when a drafter bucket is
+configured): shard map, learned layouts, packed kernels, the startup proof, reloads behind our
+back (its writer is ``inplace.py``'s). A LoRA adapter's is ``adapters.py``'s ``AdapterRank``.
+Each is built on the worker's main thread by the extension's ``deltasync_start``, one per
+followed target (``server/targets.py``); the row of the target says what differs (its source,
+its model, whether it learns layouts). It receives a typed view of the worker (``view.py``)
+and reads nothing else of vLLM.
 
 Its half of the switch (the engine core's half is ``server/engine/switch.py``): :meth:`apply`
 writes every staged step up to the one the engine core chose and keeps the undo;
@@ -41,40 +47,131 @@ from vllm_deltasync.server.messages import (
 )
 from vllm_deltasync.server.targets import Source, Target, Weights
 from vllm_deltasync.server.worker.checkpoint import ParamSet, checkpoint_params, safetensors_files
+from vllm_deltasync.server.worker.inplace import ParamWriter
 from vllm_deltasync.server.worker.layouts import LayoutCache, LayoutSpec
 from vllm_deltasync.server.worker.packed import PackedLayers
 from vllm_deltasync.server.worker.proof import ProofReport
 from vllm_deltasync.server.worker.shardmap import Piece, ShardMap
 from vllm_deltasync.server.worker.state import SyncState
-from vllm_deltasync.server.worker.switching import RankSwitch
+from vllm_deltasync.server.worker.switching import RankSwitch, Writer
 from vllm_deltasync.server.worker.view import Forward, WorkerView
 from vllm_deltasync.server.worker.writes import Writes
 
 logger = logging.getLogger(__name__)
 
 
-class TargetRank:
-    """One target on one rank (module doc)."""
+class FollowedTarget:
+    """What one target holds on one rank whatever it writes (module doc): its row, settings,
+    sync state, counters, poller (:meth:`start_poller`) and its half of the switch."""
+
+    writer: Writer
+    """How its steps are written and put back (``switching.py``), chosen by its row."""
+
+    def __init__(self, view: WorkerView, target: Target, source: Source) -> None:
+        from vllm_deltasync.server.metrics import WorkerStats
+
+        self.view, self.target, self.source = view, target, source
+        self.name = target.name
+        self.config = source.config
+        self.rank = view.rank
+        self.refused: str | None = None
+        """Why this rank does not follow the target (its proof, or another rank's, failed)."""
+        self.report: ProofReport | None = None
+        self.following = False
+        self.reloads = 0
+        self.fingerprint: str | None = None
+        self.stats = WorkerStats()
+        self.trace: collections.deque[tuple[int, int, int, int]] = collections.deque(
+            maxlen=self.config.debug_ring_size)
+        self.model_steps = 0
+        self.sync: SyncState[Any] = SyncState(self.config.loaded_step)
+
+    def start_poller(self, prepare: Callable[[Manifest, list[Any]], tuple[Any, int]], *,
+                     each: Callable[[TensorPatch], Any] | None,
+                     select: Callable[[str], bool] | None) -> None:
+        """Build the switch half and the poller (started by :meth:`follow`)."""
+        from vllm_deltasync.server.worker.poller import Poller
+
+        self.switch = RankSwitch(self)
+        """Its half of the switch (``switching.py``): apply, commit, revert."""
+        self.poller = Poller(self.config, prepare, node_ranks=self.view.world_size, each=each,
+                             select=select, fingerprint=self.fingerprint, rank=self.rank,
+                             stats=self.stats, state=self.sync)
+
+    def refuse(self, reason: str) -> None:
+        """Never follow: stop the poller, drop what is staged, report ``reason``."""
+        self.refused = reason
+        self.close()
+        self.sync.drop_staged()
+        self.sync.set_switch_error(reason)
+
+    def close(self) -> None:
+        """Stop the poller for good: on a refusal, and first thing when the worker shuts
+        down, so that it does not run on into what vLLM tears down under it."""
+        if self.following:
+            self.poller.close()
+            self.following = False
+
+    def follow(self) -> None:
+        """Start the poller (after every rank's proof passed)."""
+        if self.refused is None and not self.following:
+            self.before_following()
+            # before serving: a JIT compile would hold the GIL between batches
+            prepare_decoders(jit=self.config.decoder == "auto")
+            self.poller.start()
+            self.following = True
+            logger.info("deltasync %s started rank=%d bucket=%s %s", self.name, self.rank,
+                        self.config.redacted_url(), self.describe())
+
+    def before_following(self) -> None:
+        """Right before the poller starts."""
+
+    def describe(self) -> str:
+        """What it follows, for the log line of :meth:`follow`."""
+        return ""
+
+    def settle_writes(self) -> None:
+        """At the engine core's status read: settle a write behind our back (none here)."""
+
+    def record_step(self, run: Callable[[], Any], num_tokens: int) -> Any:
+        """Run one model step and remember which version it ran on, at start and at end."""
+        before = _version(self.sync.applied_step)
+        try:
+            return run()
+        finally:
+            self.model_steps += 1
+            self.trace.append(
+                (self.model_steps, before, _version(self.sync.applied_step), num_tokens))
+
+    def status(self) -> TargetStatus:
+        """This target's status on this rank; reading it changes nothing."""
+        out = dataclasses.replace(
+            self.poller.status(), model=self.name, fingerprint=self.fingerprint,
+            model_steps=self.model_steps, pid=os.getpid(), refused=self.refused,
+            following=self.following, reloads=self.reloads,
+            proof=self.report.to_dict() if self.report is not None else None,
+            **self.status_fields())
+        if self.refused is not None:
+            out = dataclasses.replace(out, last_error=self.refused, ready_steps=(), ready_ids=())
+        return out
+
+    def status_fields(self) -> dict[str, Any]:
+        """The fields of :meth:`status` only this kind of target knows."""
+        return {}
+
+
+class TargetRank(FollowedTarget):
+    """One target whose parameters are written in place, on one rank (module doc)."""
 
     def __init__(self, view: WorkerView, target: Target, source: Source, weights: Weights, *,
                  bucket_params: ParamSet | None = None) -> None:
         """``bucket_params``: when the bucket is shared with another target (``source`` has a
         prefix or an exclusion), the whole parameter set of the bucket as published, whose
         fingerprint the steps carry; None there: unchecked."""
-        from vllm_deltasync.server.metrics import WorkerStats
-        from vllm_deltasync.server.worker.poller import Poller
-
-        self.view, self.target, self.source = view, target, source
-        self.name = target.name
-        self.config = source.config
-        self.rank = view.rank
+        super().__init__(view, target, source)
         self.model, self.model_path = weights
         self.checkpoint = checkpoint_params(self.model_path)
         self.layouts = LayoutCache()
-        self.refused: str | None = None
-        """Why this rank does not follow the target (its proof, or another rank's, failed)."""
-        self.report: ProofReport | None = None
-        self.following = False
         self.probing = False
         """True while our own probe runs the model's ``load_weights`` (no write behind our back)."""
         self.written_behind = False
@@ -87,16 +184,11 @@ class TargetRank:
         self.writes = Writes(on_discard=self._discarded)
         self.param_ids = _param_ids(self.model)
         self.param_versions = _param_versions(self.model)
-        self.reloads = 0
         shared = bool(source.prefix or source.exclude)
         whole = bucket_params if shared else self.checkpoint
         self.fingerprint = (None if whole is None
                             else fingerprint((n, s, d) for n, (s, d) in whole.items()))
-        self.stats = WorkerStats()
-        self.trace: collections.deque[tuple[int, int, int, int]] = collections.deque(
-            maxlen=self.config.debug_ring_size)
-        self.model_steps = 0
-        self.sync: SyncState[list[Piece]] = SyncState(self.config.loaded_step)
+        self.writer = ParamWriter(self)
         names = set(self.shardmap.names)
 
         def select(bucket_name: str) -> bool:  # unknown names are read, and refused by the map
@@ -109,11 +201,7 @@ class TargetRank:
         if source.prefix:
             each = lambda p: self.stage_patch(  # noqa: E731
                 dataclasses.replace(p, name=source.checkpoint_name(p.name)))
-        self.switch = RankSwitch(self)
-        """Its half of the switch (``switching.py``): apply, commit, revert."""
-        self.poller = Poller(self.config, self.prepare, node_ranks=view.world_size, each=each,
-                             select=select, fingerprint=self.fingerprint, rank=self.rank,
-                             stats=self.stats, state=self.sync)
+        self.start_poller(self.prepare, each=each, select=select)
 
     def _build_map(self) -> ShardMap:
         """Learn the layouts kernels rearranged parameters into, then probe the loaders."""
@@ -187,30 +275,11 @@ class TargetRank:
         if self.report is not None:
             self.report.raise_first()
 
-    def refuse(self, reason: str) -> None:
-        """Never follow: stop the poller, drop what is staged, report ``reason``."""
-        self.refused = reason
-        self.close()
-        self.sync.drop_staged()
-        self.sync.set_switch_error(reason)
+    def before_following(self) -> None:
+        self.param_versions = _param_versions(self.model)  # the proof wrote and restored
 
-    def close(self) -> None:
-        """Stop the poller for good: on a refusal, and first thing when the worker shuts
-        down, so that it does not run on into what vLLM tears down under it."""
-        if self.following:
-            self.poller.close()
-            self.following = False
-
-    def follow(self) -> None:
-        """Start the poller (after every rank's proof passed)."""
-        if self.refused is None and not self.following:
-            self.param_versions = _param_versions(self.model)  # the proof wrote and restored
-            # before serving: a JIT compile would hold the GIL between batches
-            prepare_decoders(jit=self.config.decoder == "auto")
-            self.poller.start()
-            self.following = True
-            logger.info("deltasync %s started rank=%d bucket=%s tensors=%d", self.name, self.rank,
-                        self.config.redacted_url(), len(self.shardmap.names))
+    def describe(self) -> str:
+        return f"tensors={len(self.shardmap.names)}"
 
     # ------------------------------------------------------------- reloads behind our back
     def check_reload(self, *, reloaded: bool = False) -> bool:
@@ -315,28 +384,9 @@ class TargetRank:
                               lambda: self.sync.applied_step == manifest.base_step)
 
     # ------------------------------------------------------------------- reading
-    def record_step(self, run: Callable[[], Any], num_tokens: int) -> Any:
-        """Run one model step and remember which version it ran on, at start and at end."""
-        before = _version(self.sync.applied_step)
-        try:
-            return run()
-        finally:
-            self.model_steps += 1
-            self.trace.append(
-                (self.model_steps, before, _version(self.sync.applied_step), num_tokens))
-
-    def status(self) -> TargetStatus:
-        """This target's status on this rank; reading it changes nothing."""
-        out = dataclasses.replace(
-            self.poller.status(), model=self.name, fingerprint=self.fingerprint,
-            model_steps=self.model_steps, pid=os.getpid(), refused=self.refused,
-            following=self.following, reloads=self.reloads,
-            cpu_kernels=self.packed.status() if self.packed else "inplace",
-            proof=self.report.to_dict() if self.report is not None else None,
-            layout_bytes=self.layouts.nbytes)
-        if self.refused is not None:
-            out = dataclasses.replace(out, last_error=self.refused, ready_steps=(), ready_ids=())
-        return out
+    def status_fields(self) -> dict[str, Any]:
+        return {"cpu_kernels": self.packed.status() if self.packed else "inplace",
+                "layout_bytes": self.layouts.nbytes}
 
 
 def refused_status(rank: int, name: str, reason: str) -> TargetStatus:
@@ -367,4 +417,4 @@ def bucket_params(policy_checkpoint: ParamSet, others: Mapping[str, ParamSet]) -
     return whole
 
 
-__all__ = ["TargetRank", "bucket_params", "refused_status"]
+__all__ = ["FollowedTarget", "TargetRank", "bucket_params", "refused_status"]

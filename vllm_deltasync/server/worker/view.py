@@ -9,12 +9,15 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from vllm_deltasync.server.worker._shardprobe import Loader
 from vllm_deltasync.server.worker.layouts import LayoutSpec
+
+if TYPE_CHECKING:
+    from vllm_deltasync.server.worker.adapters import AdapterSlots
 
 Forward = Callable[[], torch.Tensor]
 
@@ -44,6 +47,9 @@ class WorkerView:
     """The startup proof's forward through the runner's own code path (a collective at TP>1)."""
     module_forward: Callable[[torch.nn.Module], Forward] | None = None
     """A forward through one model's own modules (no collective): a draft model's proof."""
+    lora: AdapterSlots | None = None
+    """vLLM's LoRA manager of this worker (``server/vllm/lora.py``), None without
+    ``--enable-lora``: where followed LoRA adapters' versions go."""
 
 
 __all__ = ["Forward", "WorkerView"]
