@@ -46,8 +46,8 @@ RESERVED_ADAPTER_NAMES = frozenset({
     # the other rows of the target table
     "policy", "drafter",
     # keys of the wire dicts an adapter's entry sits beside (server/messages.py: a rank's
-    # status, the engine status; server/metrics.py: /synced); tests/server/test_lora_rows.py
-    # checks this list against them
+    # status, the engine status; server/metrics.py: /synced);
+    # tests/server/engine/test_lora_versions.py checks this list against them
     "rank", "model", "applied_step", "applied_id", "staged_step", "ready_steps", "ready_ids",
     "branch_lost", "newest_step", "applied_published_at", "newest_published_at",
     "last_discovery_at", "staged_bytes", "last_error", "pending_switch", "last_apply", "bucket",
