@@ -441,9 +441,11 @@ def test_the_cross_cutting_folders_are_the_documented_ones() -> None:
 
 
 def test_no_test_module_imports_another() -> None:
-    """Test modules and conftests import from tests/ only ``tests.helpers`` (a conftest holds
-    fixtures built from it); helpers import only helpers."""
-    modules = [*layout.all_test_modules(), *sorted(layout.TESTS.rglob("conftest.py"))]
+    """Test modules, conftests and the scripts tests run in a child (tests/engine/fresh_engine.py)
+    import from tests/ only ``tests.helpers`` (a conftest holds fixtures built from it);
+    helpers import only helpers."""
+    modules = [p for p in sorted(layout.TESTS.rglob("*.py"))
+               if p.relative_to(layout.TESTS).parts[0] not in {"helpers", "data"}]
     offenders = {str(p.relative_to(layout.TESTS)): bad for p in modules
                  if (bad := layout.tests_imported(p))}
     for helper in sorted((layout.TESTS / "helpers").glob("*.py")):

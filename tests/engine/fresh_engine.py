@@ -32,7 +32,7 @@ from typing import Any
 def reference_outputs(tp: int, prompts: list[str], checkpoints: list[str]) -> dict[str, Any]:
     from vllm import LLM
 
-    from .conftest import close_llm, generate
+    from tests.helpers.engines import close_llm, generate
 
     results: dict[str, Any] = {}
     for ckpt in checkpoints:
@@ -51,7 +51,7 @@ def lora_reference_outputs(spec: dict[str, Any]) -> dict[str, Any]:
     from vllm import LLM, SamplingParams
     from vllm.lora.request import LoRARequest
 
-    from .conftest import close_llm
+    from tests.helpers.engines import close_llm
 
     tp = int(spec["tp"])
     adapters = dict(spec["adapters"])

@@ -25,10 +25,7 @@ SEED = 41
 
 def follow(tmp: Path) -> dict[str, Any]:
     from examples.toymodel import build_model
-    from vllm_deltasync import DeltaPublisher
-    from vllm_deltasync.server.worker.apply import sha256_hex
-
-    from .conftest import (
+    from tests.helpers.engines import (
         Trainer,
         close_llm,
         engine_env,
@@ -37,6 +34,8 @@ def follow(tmp: Path) -> dict[str, Any]:
         make_llm,
         wait_applied,
     )
+    from vllm_deltasync import DeltaPublisher
+    from vllm_deltasync.server.worker.apply import sha256_hex
 
     model_dir = build_model(tmp / "model", family="llama", num_kv_heads=2, seed=SEED)
     trainer = Trainer(model_dir, lr=1e-5, seed=SEED)

@@ -31,10 +31,10 @@ from typing import Any
 import pytest
 
 from examples.toymodel import build_model
+from tests.helpers.engine_hooks import switch_every_steps_env
+from tests.helpers.engines import ApiServer, Trainer, api_server, requires_vllm
+from tests.helpers.net import free_port
 from vllm_deltasync import DeltaPublisher
-
-from .conftest import ApiServer, Trainer, api_server, free_port, requires_vllm
-from .engine_hooks import switch_every_steps_env
 
 EVERY = 4  # model steps between switch ticks
 MIN_WAIT_S = 2.0  # VLLM_DELTASYNC_MIN_VERSION_WAIT_S

@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 
 from examples.toymodel import build_model
-
-from .conftest import api_server, complete, free_port, get_json, requires_vllm, run_engine_child
+from tests.helpers.engines import api_server, complete, get_json, requires_vllm, run_engine_child
+from tests.helpers.net import free_port
 
 BAD = {"VLLM_DELTASYNC_POLL_INTERVAL": "1"}  # poll_interval_s without its unit
 SAYS = "VLLM_DELTASYNC_POLL_INTERVAL is not a deltasync option"

@@ -23,9 +23,8 @@ from pathlib import Path
 import pytest
 
 from examples.toymodel import build_model
-from vllm_deltasync import DeltaPublisher
-
-from .conftest import (
+from tests.helpers.engine_hooks import switch_every_steps_env
+from tests.helpers.engines import (
     Trainer,
     close_llm,
     engine_env,
@@ -35,7 +34,7 @@ from .conftest import (
     wait_applied,
     wait_ready,
 )
-from .engine_hooks import switch_every_steps_env
+from vllm_deltasync import DeltaPublisher
 
 STEPS = 4
 EVERY = 6  # model steps between switch ticks: a batch of 24 tokens runs 24 model steps

@@ -22,18 +22,10 @@ from typing import Any
 import pytest
 
 from examples.toymodel import build_model
+from tests.helpers.engines import EXTENSION, ApiServer, Trainer, api_server, get_json, requires_vllm
+from tests.helpers.net import free_port
 from vllm_deltasync import DeltaPublisher
 from vllm_deltasync.config import SyncConfig
-
-from .conftest import (
-    EXTENSION,
-    ApiServer,
-    Trainer,
-    api_server,
-    free_port,
-    get_json,
-    requires_vllm,
-)
 
 
 def _vllm_config(*, moe: bool, dp: int, index: int, url: str, port: int) -> Any:

@@ -35,18 +35,17 @@ import pytest
 
 from examples.toymodel import build_eagle_head, build_model
 from tests.helpers.drafter import greedy, speculative_llm
-from vllm_deltasync import DeltaPublisher
-
-from .conftest import (
+from tests.helpers.engines import (
     Trainer,
     close_llm,
     engine_env,
     engine_status,
-    free_port,
     requires_vllm,
     run_engine_child,
     wait_applied,
 )
+from tests.helpers.net import free_port
+from vllm_deltasync import DeltaPublisher
 
 DASHBOARD = Path(__file__).parents[2] / "deploy" / "grafana" / "dashboards" / "vllm-deltasync.json"
 

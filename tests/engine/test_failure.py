@@ -40,16 +40,13 @@ from typing import Any
 import pytest
 
 from examples.toymodel import build_model
-from vllm_deltasync import DeltaPublisher, failpoints
-
-from .conftest import (
+from tests.helpers.engines import (
     FreshOutputs,
     Trainer,
     close_llm,
     digests_equal_checkpoint,
     engine_env,
     engine_status,
-    free_port,
     generate,
     get_text,
     long_prompts,
@@ -57,6 +54,8 @@ from .conftest import (
     requires_vllm,
     wait_applied,
 )
+from tests.helpers.net import free_port
+from vllm_deltasync import DeltaPublisher, failpoints
 
 
 def _wait_synced(base: str, timeout_s: float = 30.0) -> dict[str, Any]:

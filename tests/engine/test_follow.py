@@ -42,10 +42,7 @@ from typing import Any
 import pytest
 
 from examples.toymodel import build_model
-from vllm_deltasync import DeltaPublisher
-from vllm_deltasync.server.worker.apply import sha256_hex
-
-from .conftest import (
+from tests.helpers.engines import (
     FreshOutputs,
     Trainer,
     close_llm,
@@ -58,6 +55,8 @@ from .conftest import (
     requires_vllm,
     wait_applied,
 )
+from vllm_deltasync import DeltaPublisher
+from vllm_deltasync.server.worker.apply import sha256_hex
 
 STEPS = 11  # published after the initial anchor; anchors at 5 and 10 (anchor_every=5)
 REFERENCE_STEPS = (1, STEPS)

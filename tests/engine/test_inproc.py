@@ -24,7 +24,8 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import REPO, FreshOutputs, requires_vllm
+from tests.helpers.engine_hooks import REPO
+from tests.helpers.engines import FreshOutputs, requires_vllm
 
 
 @requires_vllm

@@ -34,9 +34,8 @@ from typing import Any
 import pytest
 
 from examples.toymodel import build_model
-from vllm_deltasync import DeltaPublisher
-
-from .conftest import (
+from tests.helpers.engine_hooks import switch_every_steps_env
+from tests.helpers.engines import (
     FreshOutputs,
     Trainer,
     close_llm,
@@ -50,7 +49,7 @@ from .conftest import (
     wait_applied,
     wait_ready,
 )
-from .engine_hooks import switch_every_steps_env
+from vllm_deltasync import DeltaPublisher
 
 EVERY = 6
 """Model steps between the ticks that may switch."""

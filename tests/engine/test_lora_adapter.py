@@ -33,26 +33,27 @@ from typing import Any
 import pytest
 
 from examples.toymodel import build_model, load_hf_model
-from vllm_deltasync import DeltaPublisher
-
-from .conftest import (
+from tests.helpers.engine_hooks import switch_every_steps_env
+from tests.helpers.engines import (
     EXTENSION,
-    LORA_PROMPTS,
-    AdapterSource,
     ApiServer,
     api_server,
     close_llm,
     engine_env,
-    free_port,
     get_json,
+    requires_vllm,
+)
+from tests.helpers.lora_serving import (
+    LORA_PROMPTS,
+    AdapterSource,
     lora_complete,
     lora_references,
-    requires_vllm,
     served_models,
     train_adapter,
     wait_models,
 )
-from .engine_hooks import switch_every_steps_env
+from tests.helpers.net import free_port
+from vllm_deltasync import DeltaPublisher
 
 STEPS = 6
 """Steps 0..6 of the main adapter: 0..5 followed one by one, 6 switched inside a request."""

@@ -37,9 +37,7 @@ import pytest
 import torch
 
 from examples.toymodel import build_model, load_hf_model
-from vllm_deltasync import DeltaPublisher
-
-from .conftest import (
+from tests.helpers.engines import (
     FreshOutputs,
     close_llm,
     digests_equal_checkpoint,
@@ -51,6 +49,7 @@ from .conftest import (
     requires_vllm,
     wait_applied,
 )
+from vllm_deltasync import DeltaPublisher
 
 peft = pytest.importorskip("peft", reason="the LoRA tests need peft (the 'lora' extra)")
 

@@ -16,11 +16,17 @@ from typing import Any
 import pytest
 
 from examples.toymodel import build_model
+from tests.helpers.engines import (
+    close_llm,
+    engine_env,
+    make_llm,
+    open_bucket,
+    requires_vllm,
+    wait_applied,
+)
 from vllm_deltasync import DeltaPublisher
 from vllm_deltasync.format.layout import parse_data_path
 from vllm_deltasync.server.worker.apply import sha256_hex
-
-from .conftest import close_llm, engine_env, make_llm, open_bucket, requires_vllm, wait_applied
 
 STEPS = 3
 
@@ -30,7 +36,7 @@ STEPS = 3
 def test_engine_follows_through_a_corrupt_mirror_then_a_cache(
         request: pytest.FixtureRequest, tmp_path: Path, make_mirror: Any,
         make_bad_mirror: Any) -> None:
-    from .conftest import Trainer
+    from tests.helpers.engines import Trainer
 
     model_dir = build_model(tmp_path / "model", seed=3, family="llama", num_kv_heads=2)
     trainer = Trainer(model_dir, lr=1e-5, seed=3)

@@ -44,21 +44,20 @@ from typing import Any
 import pytest
 
 from examples.toymodel import build_model
-from vllm_deltasync import DeltaPublisher, failpoints
-
-from .conftest import (
+from tests.helpers.engines import (
     FreshOutputs,
     Trainer,
     close_llm,
     engine_env,
     engine_status,
-    free_port,
     generate,
     long_prompts,
     make_llm,
     requires_vllm,
     wait_applied,
 )
+from tests.helpers.net import free_port
+from vllm_deltasync import DeltaPublisher, failpoints
 
 pytestmark = pytest.mark.usefixtures("host_runs_moe")  # tests/conftest.py: skips, saying why,
 # where a stock engine of a toy MoE model dies of SIGILL (README, Development: hosts)

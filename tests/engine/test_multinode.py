@@ -39,9 +39,9 @@ from typing import Any
 import pytest
 
 from examples.toymodel import build_model
+from tests.helpers.engines import EXTENSION, Trainer, complete, open_bucket, requires_vllm
+from tests.helpers.net import free_port
 from vllm_deltasync import DeltaPublisher
-
-from .conftest import EXTENSION, Trainer, complete, free_port, open_bucket, requires_vllm
 
 STEPS = 2
 

@@ -27,10 +27,7 @@ from typing import Any
 import pytest
 
 from examples.toymodel import build_model
-from tests.helpers.hosts import NO_PACKING, vllm_packs_bf16_linears
-from vllm_deltasync import DeltaPublisher, failpoints
-
-from .conftest import (
+from tests.helpers.engines import (
     FreshOutputs,
     Trainer,
     close_llm,
@@ -44,6 +41,8 @@ from .conftest import (
     requires_vllm,
     wait_applied,
 )
+from tests.helpers.hosts import NO_PACKING, vllm_packs_bf16_linears
+from vllm_deltasync import DeltaPublisher, failpoints
 
 STEPS = 5
 FAIL_STEP = 3

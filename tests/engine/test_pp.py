@@ -21,9 +21,7 @@ from typing import Any
 import pytest
 
 from examples.toymodel import build_model
-from vllm_deltasync import DeltaPublisher
-
-from .conftest import (
+from tests.helpers.engines import (
     EXTENSION,
     Trainer,
     close_llm,
@@ -35,6 +33,7 @@ from .conftest import (
     requires_vllm,
     wait_applied,
 )
+from vllm_deltasync import DeltaPublisher
 
 STEPS = 3
 SEED = 21

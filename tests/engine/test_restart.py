@@ -35,19 +35,13 @@ from typing import Any
 import pytest
 
 from examples.toymodel import build_model
-from tests.helpers.follow import remove_steps
-from vllm_deltasync import DeltaPublisher
-from vllm_deltasync.format.layout import manifest_path
-from vllm_deltasync.format.manifest import load_document, manifest_identity
-
-from .conftest import (
+from tests.helpers.engines import (
     FreshOutputs,
     Trainer,
     close_llm,
     digests_equal_checkpoint,
     engine_env,
     engine_status,
-    free_port,
     generate,
     get_text,
     long_prompts,
@@ -55,6 +49,11 @@ from .conftest import (
     requires_vllm,
     wait_applied,
 )
+from tests.helpers.follow import remove_steps
+from tests.helpers.net import free_port
+from vllm_deltasync import DeltaPublisher
+from vllm_deltasync.format.layout import manifest_path
+from vllm_deltasync.format.manifest import load_document, manifest_identity
 
 ANCHOR_EVERY = 1000
 """Every anchor here is a publisher's first step: a restart is what makes one."""

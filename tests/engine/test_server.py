@@ -15,9 +15,9 @@ from typing import Any
 import pytest
 
 from examples.toymodel import build_model
+from tests.helpers.engines import ApiServer, Trainer, api_server, complete, get_json, requires_vllm
+from tests.helpers.net import free_port
 from vllm_deltasync import DeltaPublisher
-
-from .conftest import ApiServer, Trainer, api_server, complete, free_port, get_json, requires_vllm
 
 
 def _wait_synced(metrics: str, step: int, server: ApiServer) -> dict[str, Any]:

@@ -17,9 +17,7 @@ import pytest
 from safetensors.torch import load_file, save_file
 
 from examples.toymodel import build_model
-from tests.helpers.torchrun import torchrun
-
-from .conftest import (
+from tests.helpers.engines import (
     FreshOutputs,
     close_llm,
     engine_env,
@@ -30,6 +28,7 @@ from .conftest import (
     requires_vllm,
     wait_applied,
 )
+from tests.helpers.torchrun import torchrun
 
 STEPS = 3  # per run: steps 0-2 (run a), 3-5 (run b, from an anchor)
 

@@ -25,10 +25,7 @@ from pathlib import Path
 import pytest
 
 from examples.toymodel import build_model
-from vllm_deltasync import DeltaPublisher
-from vllm_deltasync.server.engine.follower import SWITCH_BOUND_TICKS
-
-from .conftest import (
+from tests.helpers.engines import (
     Trainer,
     close_llm,
     engine_env,
@@ -37,6 +34,8 @@ from .conftest import (
     requires_vllm,
     wait_applied,
 )
+from vllm_deltasync import DeltaPublisher
+from vllm_deltasync.server.engine.follower import SWITCH_BOUND_TICKS
 
 STEPS = 10
 APART_S = 0.3

@@ -20,9 +20,9 @@ from pathlib import Path
 import pytest
 
 from examples.toymodel import build_model
+from tests.helpers.engines import requires_vllm, run_engine_child
+from tests.helpers.net import free_port
 from vllm_deltasync import failpoints
-
-from .conftest import free_port, requires_vllm, run_engine_child
 
 SYMBOL = "vllm.v1.engine.core:EngineCoreProc._handle_client_request"
 

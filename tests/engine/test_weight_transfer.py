@@ -32,8 +32,7 @@ from typing import Any
 import pytest
 
 from examples.toymodel import build_model
-
-from .conftest import (
+from tests.helpers.engines import (
     EXTENSION,
     FreshOutputs,
     Trainer,

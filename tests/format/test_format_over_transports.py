@@ -1,5 +1,5 @@
 """The bucket format end to end over the network transports: DeltaPublisher writes a chain of
-steps to hf:// (local Hub server; uploads through the test uploader seam, see conftest.py) or
+steps to hf:// (local Hub server; uploads through the test uploader seam of tests/conftest.py) or
 s3:// (moto), BucketReader rebuilds the newest step, and StepWatcher finds it."""
 
 from __future__ import annotations

@@ -2,8 +2,7 @@
 
 Test modules never import each other nor a conftest (``tests/test_architecture.py`` checks it);
 what they share lives here, and a folder's ``conftest.py`` keeps only its fixtures and hooks
-(built from these helpers). ``tests/engine/conftest.py`` is the one conftest whose own folder
-still imports helpers from it; what other folders use of it is in :mod:`tests.helpers.engines`.
+(built from these helpers).
 
 =====================  ======================================================================
 module                 what
@@ -28,8 +27,11 @@ module                 what
 ``lora``               tiny PEFT models and their trainer
 ``torchrun``           ``torchrun``: ``dist_worker.py`` under torchrun (gloo, CPU)
 ``dist_worker``        the multi-rank trainer scenarios torchrun runs
-``engines``            real vLLM engines and API servers, as the tests outside
-                       ``tests/engine/`` use them
+``engines``            real vLLM engines and API servers, the bucket an engine follows, a
+                       script in a child process, HTTP calls to an API server
+``engine_hooks``       ``switch_every_steps_env`` and the test-only vLLM plugin (``plugin/``)
+``lora_serving``       LoRA adapters trained, published and served by a real API server
 ``drafter``            a speculative engine and its greedy tokens (also run in a child)
+``layout``             the scans of the test-layout rules of ``tests/test_architecture.py``
 =====================  ======================================================================
 """

@@ -1,8 +1,9 @@
-"""Real vLLM engines as the tests outside ``tests/engine/`` use them too (the faults' engine
-rows, the monitoring's real Prometheus, the drafter's reference engines): the trainer that
-publishes, the engine's environment, an engine built in this process or vLLM's API server in a
-child, what an engine generates and what its ranks applied. ``tests/engine/conftest.py``
-imports these back for its own tests and holds what only they use.
+"""Real vLLM engines as the engine tests use them, and the tests outside ``tests/engine/`` too
+(the faults' engine rows, the monitoring's real Prometheus, the drafter's reference engines):
+the trainer that publishes, the engine's environment, an engine built in this process or vLLM's
+API server in a child, what an engine generates and what its ranks applied; the bucket an
+engine follows (file://, hf://, s3://), a script run in a child process with the engine
+variables, HTTP calls to an API server, the key of a checkpoint's fresh reference outputs.
 
 Nothing here imports vLLM at module level: modules that import this one are collected where
 vLLM is not installed and skip through :data:`requires_vllm`.
@@ -12,13 +13,16 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import hashlib
+import json
 import os
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +33,8 @@ from examples.toymodel import load_hf_model
 from tests.helpers.net import free_port
 
 EXTENSION = "vllm_deltasync.DeltaSyncExtension"
+REPO = Path(__file__).resolve().parents[2]
+REGION = "us-east-1"
 
 
 def has_vllm() -> bool:
@@ -265,3 +271,114 @@ def api_server(
         import shutil
 
         shutil.rmtree(rpc, ignore_errors=True)
+
+
+# -- buckets an engine follows, engines in child processes, HTTP calls --------------------------
+
+
+@dataclass
+class Bucket:
+    """Where the trainer publishes and what the engine's processes are told about it."""
+
+    url: str
+    publisher_options: dict[str, Any] = field(default_factory=dict)
+    worker_env: dict[str, str] = field(default_factory=dict)
+    server: Any = None
+    """The local Hub server (hf only), to check what the workers fetched."""
+
+
+def open_bucket(transport: str, request: pytest.FixtureRequest, tmp_path: Path) -> Bucket:
+    """An empty bucket on ``transport`` ("file", "hf" or "s3") and the environment that finds it."""
+    if transport == "file":
+        return Bucket(f"file://{tmp_path}/bucket")
+    if transport == "hf":
+        hub = request.getfixturevalue("hub")
+        store = request.getfixturevalue("make_hf_store")()
+        options = {"endpoint": hub.endpoint, "token": hub.token, "environ": {},
+                   "uploader": store._uploader, "part_size": 1 << 16}
+        return Bucket(store.url, options, {"HF_ENDPOINT": hub.endpoint, "HF_TOKEN": hub.token}, hub)
+    if transport == "s3":
+        from tests.helpers.transports import S3_CREDENTIALS
+
+        store = request.getfixturevalue("make_s3_store")()
+        options = {"endpoint_url": store.endpoint_url, "region_name": REGION,
+                   "addressing_style": "path", **S3_CREDENTIALS}
+        env = {
+            "AWS_ENDPOINT_URL": str(store.endpoint_url),
+            "AWS_ACCESS_KEY_ID": S3_CREDENTIALS["aws_access_key_id"],
+            "AWS_SECRET_ACCESS_KEY": S3_CREDENTIALS["aws_secret_access_key"],
+            "AWS_REGION": REGION,
+            "AWS_DEFAULT_REGION": REGION,
+            "AWS_EC2_METADATA_DISABLED": "true",
+        }
+        return Bucket(store.url, options, env)
+    raise ValueError(f"unknown transport {transport!r}")
+
+
+def run_engine_child(tmp: Path, script: str, *args: str, env: dict[str, str], timeout: float,
+                     hang: str) -> subprocess.CompletedProcess[str]:
+    """Run ``script`` (``python -c``, starting its own TP=1 engines) in a child process with
+    the test engine variables and ``env`` on top of this process's environment; fail the test
+    with ``hang`` if it passes ``timeout`` seconds (a hang fails the test, not the suite), and
+    unless it exits 0."""
+    full_env = {**os.environ, **engine_vars(tmp, 1), **env}
+    try:
+        proc = subprocess.run([sys.executable, "-c", script, *args], cwd=REPO, env=full_env,
+                              capture_output=True, text=True, timeout=timeout, check=False)
+    except subprocess.TimeoutExpired as exc:
+        pytest.fail(f"{hang}: {exc}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+def wait_ready(llm: Any, step: int, timeout_s: float = 60.0) -> None:
+    """Wait until every rank reports ``step`` staged and ready to apply."""
+    deadline = time.monotonic() + timeout_s
+    while not all(step in ready for ready in llm.collective_rpc("deltasync_ready")):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"step {step} not staged after {timeout_s}s: "
+                                 f"{llm.collective_rpc('deltasync_status')}")
+        time.sleep(0.05)
+
+
+# -- the OpenAI-compatible API server, as a user starts it --------------------------------------
+
+
+def get_text(url: str) -> tuple[int, str]:
+    """(HTTP status, body text) of a GET, error statuses included (/synced, /metrics)."""
+    try:
+        with urllib.request.urlopen(url, timeout=5) as resp:
+            return resp.status, resp.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+
+
+def get_json(url: str) -> tuple[int, Any]:
+    """(HTTP status, JSON body) of a GET, error statuses included."""
+    try:
+        with urllib.request.urlopen(url, timeout=5) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+def complete(api: str, model: str) -> dict[str, Any]:
+    """One short greedy completion through an API server's OpenAI endpoint."""
+    body = json.dumps({"model": model, "prompt": "the policy reward", "max_tokens": 6,
+                       "temperature": 0}).encode()
+    req = urllib.request.Request(api + "/v1/completions", body,
+                                 {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as resp:
+        return dict(json.loads(resp.read()))
+
+
+def checkpoint_key(tp: int, prompts: list[str], ckpt: Path) -> str:
+    """What ``fresh_outputs`` remembers a reference by: the TP, the prompts, the checkpoint's
+    bytes."""
+    digest = hashlib.sha256(f"{tp}\0{json.dumps(prompts)}".encode())
+    for f in sorted(ckpt.iterdir()):
+        digest.update(f.name.encode() + b"\0" + f.read_bytes())
+    return digest.hexdigest()
+
+
+FreshOutputs = Callable[[int, list[str], list[Path]], list[list[dict[str, Any]]]]

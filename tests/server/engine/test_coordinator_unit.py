@@ -1,6 +1,6 @@
 """The engine core's coordinator without an engine: a switch is one unit whatever fails.
 
-A real :class:`Coordinator` drives the stand-in engine core of ``conftest.py`` whose
+A real :class:`Coordinator` drives the stand-in engine core of tests/helpers/fake_engine.py, whose
 ``collective_rpc`` runs each method on every rank object in order, as vLLM's workers do (all
 ranks run a broadcast, then the first failure is raised), and whose ranks answer the wire
 protocol of ``server/messages.py`` per target. Failures are injected per rank and method: an

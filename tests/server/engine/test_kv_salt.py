@@ -1,8 +1,9 @@
 """The prefix-cache salt and what a switch does to the requests, without an engine
 (``server/engine/kv.py``).
 
-The requests are stand-ins of vLLM's scheduler (``conftest.py``'s ``FakeScheduler``: a state,
-a salt and an adapter per request, preempting running ones); the engine tests
+The requests are stand-ins of vLLM's scheduler (``FakeScheduler`` of
+tests/helpers/fake_engine.py: a state, a salt and an adapter per request, preempting running
+ones); the engine tests
 (tests/engine/test_kv_versions.py) show the same on vLLM's own requests and prefix cache.
 A real coordinator switches through it: a switch salts, a taken-back switch restores.
 """

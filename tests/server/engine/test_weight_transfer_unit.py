@@ -1,7 +1,7 @@
 """Weight-transfer backend ``deltasync``, engine-core and worker sides, without an engine.
 
 The coordinator in trainer-driven mode (``Coordinator(trainer_driven=True)``) on the stand-in
-engine and ranks of ``conftest.py``: ticks never switch; ``update_to`` waits until
+engine and ranks of tests/helpers/fake_engine.py: ticks never switch; ``update_to`` waits until
 every rank has the step staged and switches every rank as a tick would; the same step again is
 a no-op; an older step, a step applied with another identity, a step not staged in time, a
 switch taken back, a coordinator that refused: each a ``WeightUpdateRefused`` naming the step.

@@ -1,4 +1,4 @@
-"""A test-only vLLM general plugin (tests/engine/engine_hooks.py puts this folder on the
+"""A test-only vLLM general plugin (tests/helpers/engine_hooks.py puts this folder on the
 engine's ``PYTHONPATH``; it is never installed, and the package knows nothing of it).
 
 It makes the engine core call its deltasync coordinator's ``after_model_step`` after every
