@@ -46,7 +46,7 @@ RESERVED_ADAPTER_NAMES = frozenset({
     # the other rows of the target table
     "policy", "drafter",
     # keys of the wire dicts an adapter's entry sits beside (server/messages.py: a rank's
-    # status, the engine status; server/metrics.py: /synced); tests/server/test_lora_rows.py
+    # status, the engine status; server/metrics.py: /synced); tests/server/test_lora_versions.py
     # checks this list against them
     "rank", "model", "applied_step", "applied_id", "staged_step", "ready_steps", "ready_ids",
     "branch_lost", "newest_step", "applied_published_at", "newest_published_at",
