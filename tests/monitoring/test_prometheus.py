@@ -30,6 +30,7 @@ import yaml
 
 from tests.helpers.monitoring import DEPLOY, rank_status, scrape_config
 from tests.helpers.net import http_get
+from tests.helpers.waiting import wait_until
 from vllm_deltasync import cli
 from vllm_deltasync.errors import DeltaSyncError, FormatError, IntegrityError, StoreError
 from vllm_deltasync.format.manifest import Manifest
@@ -194,11 +195,7 @@ def corrupt_next_step(bucket: Path, step: int) -> tuple[Path, bytes]:
 
 
 def wait(predicate: Any, timeout: float = 30.0, what: str = "") -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
+    wait_until(predicate, timeout, what, interval=0.05)
 
 
 def cli_status(url: str) -> tuple[int, str]:

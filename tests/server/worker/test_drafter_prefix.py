@@ -10,13 +10,13 @@ removed; both check the whole bucket's fingerprint; each ends bit for bit on its
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import pytest
 import torch
 
 from tests.helpers.tp_world import TPWorld, live_checkpoint, target_rank
+from tests.helpers.waiting import wait_until
 from vllm_deltasync import DeltaPublisher
 from vllm_deltasync.config import SyncConfig
 from vllm_deltasync.errors import ConfigError
@@ -39,11 +39,9 @@ def _train(state: dict[str, torch.Tensor], seed: int) -> None:
 
 
 def _apply_ready(rank: TargetRank, step: int) -> None:
-    deadline = time.monotonic() + 30
-    while step not in rank.sync.ready_steps():
-        assert rank.status().last_error is None, rank.status().last_error
-        assert time.monotonic() < deadline, f"step {step} never staged: {rank.status()}"
-        time.sleep(0.01)
+    wait_until(lambda: step in rank.sync.ready_steps() or rank.status().last_error is not None,
+               30, f"step {step} staged", status=rank.status)
+    assert rank.status().last_error is None, rank.status().last_error
     assert rank.switch.apply(step).ok
     assert rank.switch.commit(step).outcome is CommitOutcome.COMMITTED
 
@@ -98,10 +96,8 @@ def test_a_fingerprint_without_the_head_is_refused(tp_world: TPWorld, tmp_path: 
                                                   drafter_prefix="head."), bucket_params=whole)
     try:
         rank.follow()
-        deadline = time.monotonic() + 30
-        while "fingerprint" not in str(rank.status().last_error):
-            assert time.monotonic() < deadline, rank.status()
-            time.sleep(0.01)
+        wait_until(lambda: "fingerprint" in str(rank.status().last_error), 30,
+                   "the fingerprint refusal", status=rank.status)
         assert rank.sync.ready_steps() == []
     finally:
         rank.close()

@@ -8,7 +8,6 @@ the version, retire removes older ones, and the refusals name the adapter and th
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +16,7 @@ from typing import Any
 import pytest
 import torch
 
+from tests.helpers.waiting import wait_until
 from vllm_deltasync import BucketReader, DeltaPublisher
 from vllm_deltasync.config import SyncConfig
 from vllm_deltasync.format.manifest import Manifest, fingerprint
@@ -109,11 +109,9 @@ def _rank(trained: Trained, slots: Slots, tmp_path: Path) -> AdapterRank:
 
 
 def _wait_ready(state: AdapterRank, step: int) -> None:
-    deadline = time.monotonic() + 30
-    while step not in state.sync.ready_steps():
-        assert state.refused is None, state.refused
-        assert time.monotonic() < deadline, state.status()
-        time.sleep(0.02)
+    wait_until(lambda: step in state.sync.ready_steps() or state.refused is not None, 30,
+               f"step {step} staged", status=state.status)
+    assert state.refused is None, state.refused
 
 
 def _bucket(url: str, step: int) -> tuple[Manifest, dict[str, torch.Tensor]]:
@@ -187,10 +185,8 @@ def test_a_refusal_found_while_staging_stops_following(trained: Trained,
     trained.publish()
     state = _rank(trained, Slots(max_rank=4), tmp_path)
     try:
-        deadline = time.monotonic() + 30
-        while state.refused is None:
-            assert time.monotonic() < deadline, state.status()
-            time.sleep(0.02)
+        wait_until(lambda: state.refused is not None, 30, "the adapter refused",
+                   status=state.status)
         assert "rank 8 exceeds this server's --max-lora-rank 4" in state.refused
         assert "--max-lora-rank 8" in state.refused
         status = state.status()

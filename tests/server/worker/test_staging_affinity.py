@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import threading
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -19,6 +18,7 @@ from typing import Any
 import pytest
 import torch
 
+from tests.helpers.waiting import wait_until
 from vllm_deltasync import DeltaPublisher
 from vllm_deltasync.config import SyncConfig
 from vllm_deltasync.errors import ConfigError
@@ -162,10 +162,7 @@ def following(tmp_path: Path) -> Iterator[Callable[..., Poller]]:
             return poller
 
         poller = _on(binding, build)
-        deadline = time.monotonic() + 30
-        while not poller.ready_steps():
-            assert time.monotonic() < deadline, poller.status()
-            time.sleep(0.02)
+        wait_until(poller.ready_steps, 30, "a staged step", status=poller.status)
         return poller
 
     yield start

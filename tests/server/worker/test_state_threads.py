@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from tests.helpers.tp_world import TPWorld, live_checkpoint, target_rank
+from tests.helpers.waiting import wait_until
 from vllm_deltasync import DeltaPublisher
 from vllm_deltasync.config import SyncConfig
 from vllm_deltasync.server.messages import CommitOutcome
@@ -36,10 +37,7 @@ def _train(state: dict[str, torch.Tensor], gen: torch.Generator) -> None:
 
 
 def _wait(predicate: Any, timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.005)
+    wait_until(predicate, timeout_s, "the rank's state", interval=0.005)
 
 
 def test_commands_from_two_threads_are_each_visible_in_the_next_status(

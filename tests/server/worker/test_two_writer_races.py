@@ -26,6 +26,7 @@ import torch
 
 from tests.helpers.follow import Follower, Weights, clone, publish_steps, seeded_weights, train
 from tests.helpers.transports import S3_CREDENTIALS
+from tests.helpers.waiting import wait_until
 from vllm_deltasync import DeltaPublisher
 from vllm_deltasync.errors import ChainError, PublishError
 from vllm_deltasync.format.layout import manifest_path, parse_data_path
@@ -526,10 +527,8 @@ def test_a_replaced_step_staged_or_being_written_is_not_mixed_with_the_new_chain
         f.follow_until(lambda: f.at(1, a[1]))
         publish_steps(pub, wa, ga, range(2, 3), a)
     ledger.add("A", target, a, [0, 1, 2])
-    deadline = time.monotonic() + 20
-    while f.state.ready_steps() != [2]:  # A's 2 staged; not applied
-        assert time.monotonic() < deadline, f.poller.status()
-        time.sleep(0.02)
+    wait_until(lambda: f.state.ready_steps() == [2], 20, "A's step 2 staged, not applied",
+               status=f.poller.status)
     before = f.state.applied
     taken = f.state.take(2) if moment == "switching" else None
 
