@@ -88,6 +88,16 @@ class StepItem:
     local index space (docs/format.md, "Region and local indices"). None: the whole tensor."""
 
 
+def shifted(indices: torch.Tensor, by: int) -> torch.Tensor:
+    """``indices - by`` (int64), on the calling thread where ``indices`` are on the host:
+    torch splits a large subtraction over its intra-op threads, and their fork and join on a
+    busy host cost far more than the subtraction (~10 ms measured for 58K indices on 2 shared
+    cores, against ~0.05 ms in numpy)."""
+    if indices.device.type != "cpu":
+        return indices - by
+    return torch.from_numpy(indices.numpy() - by)
+
+
 _Plan = tuple[int, int, torch.Tensor | None, Region | None, int]
 """One chunk to encode: (start, stop, local indices or None, region, codec key)."""
 
@@ -109,7 +119,7 @@ def _plan_item(item: StepItem, codec: Codec, files: DataFiles) -> Iterator[_Plan
             else:
                 first, last = int(indices[0]), int(indices[-1])
                 region = Region(first, 1, last - first + 1, last - first + 1)
-                indices = indices - first
+                indices = shifted(indices, first)
         yield start, stop, indices, region, start
 
 
@@ -168,7 +178,7 @@ def _plan_block(item: StepItem, block: Region, codec: Codec, files: DataFiles) -
             stop = min(count, start + per_chunk)
             first, last = int(idx[start]), int(idx[stop - 1])
             region = Region(flat(first), 1, last - first + 1, last - first + 1)
-            local = idx[start:stop] - first
+            local = shifted(idx[start:stop], first)
         else:
             r = int(row_of[start])
             row_begin = int(torch.searchsorted(idx, r * row_len))
@@ -177,13 +187,13 @@ def _plan_block(item: StepItem, block: Region, codec: Codec, files: DataFiles) -
                 stop = min(row_end, start + per_chunk)
                 first, last = int(idx[start]), int(idx[stop - 1])
                 region = Region(flat(first), 1, last - first + 1, last - first + 1)
-                local = idx[start:stop] - first
+                local = shifted(idx[start:stop], first)
             else:  # whole rows r .. r_last, as many as fit
                 cand = min(count, start + per_chunk)
                 stop = count if cand == count else int(torch.searchsorted(idx, int(row_of[cand]) * row_len))
                 r_last = int(row_of[stop - 1])
                 region = Region(flat(r * row_len), r_last - r + 1, row_len, block.row_stride)
-                local = idx[start:stop] - r * row_len
+                local = shifted(idx[start:stop], r * row_len)
         yield start, stop, local, region, region.offset
         start = stop
 
@@ -417,4 +427,4 @@ def commit_manifest(store: Store, loop: BackgroundLoop, manifest: Manifest,
 
 
 __all__ = ["MAX_ENCODE_THREADS", "StepFacts", "StepItem", "WriteOptions", "commit_manifest",
-           "encode_threads_for", "manifest_bytes", "retain", "write_files", "write_step"]
+           "encode_threads_for", "manifest_bytes", "retain", "shifted", "write_files", "write_step"]
