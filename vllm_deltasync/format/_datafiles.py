@@ -159,10 +159,11 @@ class DataFiles:
                 "step": str(self.step), "kind": self.kind}
         data, where = _save(self.tensors, meta)
         path = data_path(self.step, self.token, len(self.entries))
+        # written while the digests are taken (and, for the last file, the manifest is built)
+        self.pending.append(self.loop.submit(self.store.write(path, data)))
         index = _locate(data, where, self.chunks) if self.version >= 2 else None
         self.entries.append(FileEntry(path, len(data), hashlib.sha256(data).hexdigest(), index))
         self.tensors, self.owners, self.chunks, self.size = {}, set(), [], 0
-        self.pending.append(self.loop.submit(self.store.write(path, data)))
         if len(self.pending) >= MAX_WRITES_IN_FLIGHT:
             self.pending.pop(0).result(self.timeout_s)
 

@@ -7,6 +7,7 @@ codec hands them in, else numpy passes (``_gaps_numpy``): the same bytes and met
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import numpy as np
@@ -134,9 +135,9 @@ def _choose_high_bits(joint: np.ndarray, n: int, used: tuple[int, int] | None = 
         costs[0] = 3.0 * n + 4 * he[0]
     else:
         counts = tables.astype(np.float64)
-        p = counts / counts.sum(axis=1, keepdims=True)
-        with np.errstate(divide="ignore", invalid="ignore"):
-            terms = np.where(counts > 0, p * np.log2(np.where(counts > 0, p, 1.0)), 0.0)
+        p = counts / counts.sum(axis=1, keepdims=True)  # every row sums to n > 0
+        # p log2 p, 0 where p = 0 (log2(1) = 0: the product is 0.0 there, no warning raised)
+        terms = p * np.log2(np.where(counts > 0, p, 1.0))
         bits = np.maximum(-terms.sum(axis=1), 1.0) + 0.02
         costs = n * bits / 8 + 3 * he + 1.5 * ve
         costs[0] = n * bits[0] / 8 + 1.9 * n + 4 * he[0]
@@ -210,6 +211,19 @@ def _compress(sections: list[bytes], level: int) -> bytes:
     return b"".join(out)
 
 
+_JOINT = threading.local()
+
+
+def _take_joint() -> np.ndarray:
+    """A zeroed joint histogram (65536 int64, 512 KiB): this thread's, taken until
+    ``_gaps_body`` zeroes the corner its scan wrote and gives it back (a chunk that fails in
+    between leaves none behind). A fresh one per chunk cost more than encoding a small chunk:
+    its pages were faulted in again every time."""
+    joint = getattr(_JOINT, "joint", None)
+    _JOINT.joint = None
+    return np.zeros(65536, np.int64) if joint is None else joint
+
+
 def _gaps_body(idx: np.ndarray, values16: np.ndarray, coded: bool, meta: dict[str, Any],
                kernels: Any) -> list[bytes]:
     """Sections of the ``gaps`` layout (``values16``: differences if ``coded``, else raw bits);
@@ -221,10 +235,12 @@ def _gaps_body(idx: np.ndarray, values16: np.ndarray, coded: bool, meta: dict[st
     else:
         scan, build, tables = kernels
         if coded:
-            joint = np.zeros(65536, np.int64)
+            joint = _take_joint()
             used = scan(idx, values16, joint)
-            hb = _choose_high_bits(joint.reshape(256, 256), n, (int(used[0]) + 1, int(used[1]) + 1),
-                                   tables)
+            rows, cols = int(used[0]) + 1, int(used[1]) + 1
+            hb = _choose_high_bits(joint.reshape(256, 256), n, (rows, cols), tables)
+            joint.reshape(256, 256)[:rows, :cols] = 0  # all the scan wrote: zero for the next chunk
+            _JOINT.joint = joint
         else:
             hb = 8
         low, fields = np.empty(n, np.uint8), np.empty(n, np.uint8)

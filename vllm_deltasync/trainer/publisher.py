@@ -42,7 +42,7 @@ from vllm_deltasync.format.limits import (
     step_problem,
 )
 from vllm_deltasync.format.manifest import Region, fingerprint
-from vllm_deltasync.format.writer import StepFacts, StepItem
+from vllm_deltasync.format.writer import StepFacts, StepItem, shifted
 from vllm_deltasync.stores import Store, open_store
 from vllm_deltasync.trainer import lora as lora_modes
 from vllm_deltasync.trainer import sharded
@@ -404,7 +404,7 @@ def _block_items(name: str, shape: tuple[int, ...], diff: Diff,
         else:
             lo, hi = (int(i) for i in torch.searchsorted(diff.indices, torch.tensor([pos, stop])))
             assert diff.old is not None
-            item = StepItem(name, shape, hi - lo, diff.indices[lo:hi] - pos, diff.new[lo:hi],
+            item = StepItem(name, shape, hi - lo, shifted(diff.indices[lo:hi], pos), diff.new[lo:hi],
                             diff.old[lo:hi])
         item.region = region
         items.append(item)
