@@ -114,7 +114,8 @@ def rollout_terms(m: Measured, plan: Mapping[str, Any], a: Mapping[str, float]) 
     rank_bytes = changed * m.fetched_b + plan["delta_bytes"]
     requests = 2 + m.data_requests_per_layer * plan["moe_layers"]
     cores = a["rollout_cores"] / ranks
-    speedup = m.decode_speedup if cores >= 2 else max(cores, 1 + (m.decode_speedup - 1) * (cores - 1))
+    two = max(1.0, m.decode_speedup)  # a second thread never slows the decode (one would do)
+    speedup = two if cores >= 2 else max(min(cores, 1.0), 1 + (two - 1) * (cores - 1))
     return {"changed": changed, "rank_bytes": rank_bytes, "requests": requests,
             "download": rank_bytes * ranks / (a["link_gbps"] * 1e9 / 8),
             "round_trips": math.ceil(requests / SCENARIO["read_concurrency"]) * a["request_s"],

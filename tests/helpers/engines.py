@@ -262,15 +262,42 @@ def api_server(
             time.sleep(0.5)
         yield server
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_group(proc)
         import shutil
 
         shutil.rmtree(rpc, ignore_errors=True)
+
+
+def stop_group(proc: subprocess.Popen[bytes], wait_s: float = 30.0) -> None:
+    """Stop a server started in its own session and every process of that session: the API
+    server, and the engine core and workers it spawned (a server stopped while it was still
+    starting leaves them running otherwise, holding memory and cores for the next test)."""
+    import signal
+
+    for sig, wait in ((signal.SIGTERM, wait_s), (signal.SIGKILL, 10.0)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            break
+        try:
+            proc.wait(timeout=wait)
+        except subprocess.TimeoutExpired:
+            continue
+        # the leader is gone; give the rest of its session a moment, then kill what is left
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline and _group_alive(proc.pid):
+            time.sleep(0.2)
+        if not _group_alive(proc.pid):
+            break
+    proc.wait()
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 # -- buckets an engine follows, engines in child processes, HTTP calls --------------------------
