@@ -383,13 +383,15 @@ def serving_table(quick: bool) -> str:
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         started = time.perf_counter()
         model_dir, urls = _serve_buckets(root, steps)
-        with _engine(model_dir, {}) as llm:
-            stock = _decode_tps(llm, None, quick)
-        env = {"VLLM_DELTASYNC_URL": f"file://{urls['merged']}",
-               "VLLM_DELTASYNC_POLL_INTERVAL_S": "1", "VLLM_DELTASYNC_METRICS_PORT": "0"}
-        with _engine(model_dir, env, worker_extension_cls=EXTENSION) as llm:
-            _wait(llm, lambda s: s["applied_step"] == steps, "merged steps")
-            merged = _decode_tps(llm, None, quick)
+        stock = merged = float("nan")  # --quick: the adapter engine only (one engine start)
+        if not quick:
+            with _engine(model_dir, {}) as llm:
+                stock = _decode_tps(llm, None, quick)
+            env = {"VLLM_DELTASYNC_URL": f"file://{urls['merged']}",
+                   "VLLM_DELTASYNC_POLL_INTERVAL_S": "1", "VLLM_DELTASYNC_METRICS_PORT": "0"}
+            with _engine(model_dir, env, worker_extension_cls=EXTENSION) as llm:
+                _wait(llm, lambda s: s["applied_step"] == steps, "merged steps")
+                merged = _decode_tps(llm, None, quick)
         adapter = _adapter_engine(model_dir, root, urls, steps, quick)
         seconds = time.perf_counter() - started
     pause = [1e3 * p for p in adapter["pause_s"]]  # type: ignore[attr-defined]
@@ -400,7 +402,9 @@ def serving_table(quick: bool) -> str:
         f"{SERVE_MODEL['hidden_size']}, {SERVE_MODEL['num_layers']} layers), a rank-8 LoRA on "
         f"every linear layer trained with AdamW (lr 1e-5), {steps} steps after the anchor; TP=1 "
         "CPU engines; decode: a batch of 4 greedy sequences, "
-        f"{32 if quick else 64} new tokens each, median of 3 runs.", "",
+        f"{32 if quick else 64} new tokens each, median of 3 runs."
+        + (" `--quick`: the adapter engine only (its base-model row is the reference; stock and "
+           "merged not run)." if quick else ""), "",
         "| engine | requests | decode tokens/s | vs stock |", "|---|---|---|---|",
         f"| stock vLLM (no extension, no LoRA) | base model | {stock:.0f} | 1.00 |",
         f"| following the merged bucket | base model (merged weights) | {merged:.0f} | "
