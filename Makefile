@@ -2,7 +2,7 @@
 PY := .venv/bin/python
 export PYTHONDONTWRITEBYTECODE := 1
 
-.PHONY: setup check test lint demo bench clean
+.PHONY: setup check test lint demo bench bench-quick clean
 
 setup:
 	@bash scripts/setup.sh
@@ -23,8 +23,14 @@ test: lint
 demo: setup
 	$(PY) examples/demo.py
 
+# Every benchmark at full size (< 20 min on 2 cores), into benchmarks/RESULTS.md.
 bench: setup
 	$(PY) -m benchmarks.run
+
+# The headline rows at small sizes (< 5 min), to check a machine before quoting numbers; never
+# overwrites RESULTS.md.
+bench-quick: setup
+	$(PY) -m benchmarks.run --quick --out benchmarks/RESULTS-quick.md
 
 clean:
 	rm -rf .venv .pytest_cache .mypy_cache .ruff_cache demo-out

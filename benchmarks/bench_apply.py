@@ -19,11 +19,14 @@ side by side on the same engine:
 from __future__ import annotations
 
 import argparse
+import atexit
 import contextlib
 import os
+import shutil
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -99,51 +102,105 @@ def _wait_applied(llm: Any, step: int, timeout_s: float = 120.0) -> list[dict[st
     raise TimeoutError(f"step {step} was not applied within {timeout_s}s")
 
 
-def _measure(name: str, kw: dict[str, Any], tmp: Path) -> dict[str, Any]:
+@dataclass
+class Follower:
+    """A TP=1 engine following its own ``file://`` bucket of a toy Llama (``cpu_kernels=inplace``),
+    with the publisher writing that bucket and the trainer's tensors; :func:`follower` starts
+    one, or takes over the one a section handed over (:func:`hand_over`)."""
+
+    name: str
+    tmp: Path
+    tensors: dict[str, torch.Tensor]
+    pub: DeltaPublisher
+    llm: Any
+    step: int = 0
+
+    def publish(self, density: float) -> dict[str, Any]:
+        """The next step (~``density`` of the elements changed), once applied: its status."""
+        self.step += 1
+        _perturb(self.tensors, density, seed=self.step)
+        self.pub.publish(self.step, self.tensors.items())
+        self.pub.flush()
+        return _wait_applied(self.llm, self.step)[0]
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self.llm.llm_engine.engine_core.shutdown()
+        self.llm = None
+        self.pub.close()
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+_HANDED: dict[str, Follower] = {}
+
+
+def follower(name: str) -> Follower:
+    """The follower of ``CASES[name]``: the one handed over, or a new one (the model built, its
+    anchor published and applied). Sends this module's functions to workers by value."""
     import cloudpickle
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import load_file
     from vllm import LLM
 
     cloudpickle.register_pickle_by_value(sys.modules[__name__])
-    model_dir = build_model(tmp / name, "llama", **kw)
+    if name in _HANDED:
+        return _HANDED.pop(name)
+    tmp = Path(tempfile.mkdtemp(prefix=f"bench-follow-{name}-"))
+    model_dir = build_model(tmp / name, "llama", **CASES[name])
     tensors = load_file(str(model_dir / "model.safetensors"))
-    url = f"file://{tmp}/bucket-{name}"
+    url = f"file://{tmp}/bucket"
     os.environ.update({"VLLM_DELTASYNC_URL": url, "VLLM_DELTASYNC_POLL_INTERVAL_S": "0.1",
                        # the in-place scatter GPUs run (bench_serving measures the packed mode)
                        "VLLM_DELTASYNC_CPU_KERNELS": "inplace",
                        "VLLM_DELTASYNC_METRICS_PORT": "0",
-                       # the reload baseline is sent to the worker as a function (bench only)
+                       # the baselines are sent to the worker as functions (bench only)
                        "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"})
-    with DeltaPublisher(url, anchor_every=100) as pub:
-        pub.publish(0, tensors.items())
-        pub.flush()
-        llm = LLM(model=str(model_dir), worker_extension_cls="vllm_deltasync.DeltaSyncExtension",
-                  enforce_eager=True, max_model_len=512, dtype="bfloat16")
-        try:
-            pid = _wait_applied(llm, 0)[0]["pid"]
-            peaks = []
-            # step 1, a tiny delta, pays the one-time costs of following (lazy imports, the
-            # decoder's context, thread stacks); step 2, the measured 1% delta, what a step costs
-            for step, density in ((1, 1e-5), (2, 0.01)):
-                _reset_peak(pid)
-                rss_before = _proc_status("VmRSS", pid)
-                _perturb(tensors, density, seed=step)
-                pub.publish(step, tensors.items())
-                pub.flush()
-                status = _wait_applied(llm, step)[0]
-                peaks.append(_proc_status("VmHWM", pid) - rss_before)
-            first_peak, delta_peak = peaks
-            switch = llm.llm_engine.engine_core.call_utility("deltasync_engine_status")["switches"][-1]
-            path = str(tmp / f"{name}-step2.safetensors")
-            save_file(tensors, path)
-            reload = llm.collective_rpc(_worker_reload, args=(path,))[0]
-            live = llm.collective_rpc("deltasync_weight_digests")[0]
-            want = llm.collective_rpc("deltasync_checkpoint_digests", args=(path,))[0]
-            differ = sorted(n for n in live if live[n] != want.get(n))
-        finally:
-            with contextlib.suppress(Exception):
-                llm.llm_engine.engine_core.shutdown()
-            del llm
+    pub = DeltaPublisher(url, anchor_every=1000)
+    pub.publish(0, tensors.items())
+    pub.flush()
+    llm = LLM(model=str(model_dir), worker_extension_cls="vllm_deltasync.DeltaSyncExtension",
+              enforce_eager=True, max_model_len=512, dtype="bfloat16")
+    _wait_applied(llm, 0)
+    return Follower(name, tmp, tensors, pub, llm)
+
+
+def hand_over(f: Follower) -> None:
+    """Keep ``f`` running for the next section that asks for its model (bench_peers, run next:
+    one engine start less); closed at exit if none does."""
+    _HANDED[f.name] = f
+    atexit.register(lambda: _HANDED.pop(f.name, None) and f.close())
+
+
+def _measure(name: str, tmp: Path, keep: bool) -> dict[str, Any]:
+    """One case's row, on its follower (handed over afterwards when ``keep``)."""
+    from safetensors.torch import save_file
+
+    f = follower(name)
+    try:
+        pid = f.llm.collective_rpc("deltasync_status")[0]["pid"]
+        peaks = []
+        # step 1, a tiny delta, pays the one-time costs of following (lazy imports, the
+        # decoder's context, thread stacks); step 2, the measured 1% delta, what a step costs
+        for density in (1e-5, 0.01):
+            _reset_peak(pid)
+            rss_before = _proc_status("VmRSS", pid)
+            status = f.publish(density)
+            peaks.append(_proc_status("VmHWM", pid) - rss_before)
+        first_peak, delta_peak = peaks
+        switch = f.llm.llm_engine.engine_core.call_utility("deltasync_engine_status")["switches"][-1]
+        path = str(tmp / f"{name}-step2.safetensors")
+        save_file(f.tensors, path)
+        reload = f.llm.collective_rpc(_worker_reload, args=(path,))[0]
+        live = f.llm.collective_rpc("deltasync_weight_digests")[0]
+        want = f.llm.collective_rpc("deltasync_checkpoint_digests", args=(path,))[0]
+        differ = sorted(n for n in live if live[n] != want.get(n))
+    except BaseException:
+        f.close()
+        raise
+    if keep:
+        hand_over(f)
+    else:
+        f.close()
+    tensors = f.tensors
     numel = sum(t.numel() for t in tensors.values())
     return {"name": name, "params": numel, "pause_s": switch["pause_s"],
             "apply_s": status["last_apply"]["apply_s"], "changed": switch["changed"],
@@ -166,14 +223,15 @@ def engine_env(tmp: str | Path) -> None:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 
-def run(quick: bool = False) -> str:
-    """Markdown section: one row per model size, measured on one engine each."""
+def run(quick: bool = False, hand_over_last: bool = True) -> str:
+    """Markdown section: one row per model size, measured on one engine each; the last one's
+    engine goes on to bench_peers (:func:`hand_over`) when ``hand_over_last``."""
     names = ["llama-22M"] if quick else list(CASES)
     rows = []
     with tempfile.TemporaryDirectory(prefix="bench-apply-") as tmp:
         engine_env(tmp)
-        for name in names:
-            rows.append(_measure(name, CASES[name], Path(tmp)))
+        for name in names:  # the last (largest) one goes on to bench_peers
+            rows.append(_measure(name, Path(tmp), keep=hand_over_last and name == names[-1]))
     lines = [
         "## apply: delta pause vs full reload_weights (same engine, TP=1)",
         "",

@@ -106,14 +106,21 @@ def _train(lrs: tuple[float, ...], quick: bool, seed: int, shape: dict[str, int]
     vocab = int(model.config.vocab_size)  # type: ignore[union-attr,arg-type]
     batch, seq = (2, 64) if quick else (2, 128)
     deltas = []
+    first: list[torch.Tensor | None] | None = None  # step 1's gradients: the same for every lr
     for lr in lrs:
         model.load_state_dict(start)
         gen = torch.Generator().manual_seed(seed)
         opt = torch.optim.AdamW(model.parameters(), lr=lr)
         snaps: list[dict[str, torch.Tensor]] = []
-        for _ in range(WARMUP_STEPS + 1):
+        for i in range(WARMUP_STEPS + 1):
             ids = torch.randint(0, vocab, (batch, seq), generator=gen)
-            model(input_ids=ids, labels=ids).loss.backward()
+            if i == 0 and first is not None:  # same weights, same batch: reuse, bit for bit
+                for p, g in zip(model.parameters(), first, strict=True):
+                    p.grad = None if g is None else g.clone()
+            else:
+                model(input_ids=ids, labels=ids).loss.backward()
+                if i == 0:
+                    first = [None if p.grad is None else p.grad.clone() for p in model.parameters()]
             opt.step()
             opt.zero_grad(set_to_none=True)
             snaps = [*snaps[-1:], {k: p.detach().to(torch.bfloat16) for k, p in model.named_parameters()}]

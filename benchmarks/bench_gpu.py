@@ -113,7 +113,7 @@ def engine_apply(quick: bool) -> str:
         return "not run: the installed vLLM is not its CUDA build"
     from benchmarks import bench_apply
 
-    return bench_apply.run(quick=True).strip()
+    return bench_apply.run(quick=True, hand_over_last=False).strip()
 
 
 def gpu_tests(quick: bool) -> str:

@@ -51,6 +51,10 @@ def _world(tmp: Path, layers: int) -> Any:
         moe_intermediate_size=INTER, intermediate_size=256, decoder_sparse_step=1,
         max_position_embeddings=512, torch_dtype="bfloat16")
     cfg.save_pretrained(tmp / "model")
+    # a valid extension config, as an engine's: the CPU GEMM patch acts only then (it read the
+    # environment a section run before left; alone, this section built stock packed linears)
+    os.environ.setdefault("VLLM_DELTASYNC_URL", f"file://{tmp / 'bucket'}")
+    os.environ["VLLM_DELTASYNC_CPU_KERNELS"] = "inplace"
     mc = ModelConfig(model=str(tmp / "model"), dtype="bfloat16", skip_tokenizer_init=True,
                      enforce_eager=True)
     vc = VllmConfig(model_config=mc)

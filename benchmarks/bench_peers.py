@@ -1,7 +1,8 @@
 """Peer benchmark: our in-place apply vs vLLM's own two ways to change weights in a running engine.
 
 One engine (TP=1, the extension configured by environment variables) follows a ``file://``
-bucket. For each density (~0.5% and ~3% of the elements, flipped by 1-3 bf16 ulps as RL steps
+bucket: bench_apply's engine of the same model, handed over when that section ran just before
+(one engine start less), else a new one. For each density (~0.5% and ~3% of the elements, flipped by 1-3 bf16 ulps as RL steps
 are; REFERENCE §1) the trainer side publishes three deltas; the engine applies each one, and
 the last one is then written again, on the same engine and from memory, by:
 
@@ -30,7 +31,6 @@ row (fused tensors concatenate rows).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import statistics
 import sys
@@ -39,16 +39,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.bench_apply import (
-    CASES,
-    _perturb,
-    _proc_status,
-    _reset_peak,
-    _wait_applied,
-    engine_env,
-)
-from examples.toymodel import build_model
-from vllm_deltasync import DeltaPublisher
+from benchmarks.bench_apply import _proc_status, _reset_peak, engine_env, follower
 
 DENSITIES = (0.005, 0.03)
 DELTAS_PER_DENSITY = 3
@@ -119,60 +110,37 @@ def _copy_once(src: Any, dst: Any) -> float:
     return time.perf_counter() - started
 
 
-def _measure(name: str, kw: dict[str, Any], tmp: Path, densities: tuple[float, ...]
-             ) -> list[dict[str, Any]]:
+def _measure(name: str, tmp: Path, densities: tuple[float, ...]) -> list[dict[str, Any]]:
+    """One row per density, all on one follower (bench_apply's, when it handed it over)."""
     import cloudpickle
-    from safetensors.torch import load_file, save_file
-    from vllm import LLM
+    from safetensors.torch import save_file
 
     cloudpickle.register_pickle_by_value(sys.modules[__name__])
-    cloudpickle.register_pickle_by_value(sys.modules["benchmarks.bench_apply"])
-    model_dir = build_model(tmp / name, "llama", **kw)
-    tensors = load_file(str(model_dir / "model.safetensors"))
-    url = f"file://{tmp}/bucket-{name}"
-    os.environ.update({"VLLM_DELTASYNC_URL": url, "VLLM_DELTASYNC_POLL_INTERVAL_S": "0.1",
-                       # the in-place scatter GPUs run (bench_serving measures the packed mode)
-                       "VLLM_DELTASYNC_CPU_KERNELS": "inplace",
-                       "VLLM_DELTASYNC_METRICS_PORT": "0",
-                       # the peers are sent to the worker as a function (bench only)
-                       "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"})
+    f = follower(name)
     rows = []
-    with DeltaPublisher(url, anchor_every=1000) as pub:
-        pub.publish(0, tensors.items())
-        pub.flush()
-        llm = LLM(model=str(model_dir), worker_extension_cls="vllm_deltasync.DeltaSyncExtension",
-                  enforce_eager=True, max_model_len=512, dtype="bfloat16")
-        try:
-            _wait_applied(llm, 0)
-            step = 0
-            for density in densities:
-                scatters, pauses = [], []
-                for _ in range(DELTAS_PER_DENSITY):
-                    prev = str(tmp / f"{name}-prev.safetensors")
-                    save_file(tensors, prev)
-                    step += 1
-                    _perturb(tensors, density, seed=step)
-                    pub.publish(step, tensors.items())
-                    pub.flush()
-                    status = _wait_applied(llm, step)[0]
-                    switch = llm.llm_engine.engine_core.call_utility(
-                        "deltasync_engine_status")["switches"][-1]
-                    scatters.append(status["last_apply"]["apply_s"])
-                    pauses.append(switch["pause_s"])
-                new = str(tmp / f"{name}-step{step}.safetensors")
-                save_file(tensors, new)
-                peers = llm.collective_rpc(_worker_peers, args=(prev, new, REPEATS))[0]
-                live = llm.collective_rpc("deltasync_weight_digests")[0]
-                want = llm.collective_rpc("deltasync_checkpoint_digests", args=(new,))[0]
-                rows.append({"name": name, "params": sum(t.numel() for t in tensors.values()),
-                             "density": density, "scatter_s": statistics.median(scatters),
-                             "pause_s": statistics.median(pauses),
-                             "staged_bytes": status["last_apply"]["staged_bytes"],
-                             "equal": live == want, **peers})
-        finally:
-            with contextlib.suppress(Exception):
-                llm.llm_engine.engine_core.shutdown()
-            del llm
+    try:
+        for density in densities:
+            scatters, pauses = [], []
+            for _ in range(DELTAS_PER_DENSITY):
+                prev = str(tmp / f"{name}-prev.safetensors")
+                save_file(f.tensors, prev)
+                status = f.publish(density)
+                switch = f.llm.llm_engine.engine_core.call_utility(
+                    "deltasync_engine_status")["switches"][-1]
+                scatters.append(status["last_apply"]["apply_s"])
+                pauses.append(switch["pause_s"])
+            new = str(tmp / f"{name}-step{f.step}.safetensors")
+            save_file(f.tensors, new)
+            peers = f.llm.collective_rpc(_worker_peers, args=(prev, new, REPEATS))[0]
+            live = f.llm.collective_rpc("deltasync_weight_digests")[0]
+            want = f.llm.collective_rpc("deltasync_checkpoint_digests", args=(new,))[0]
+            rows.append({"name": name, "params": sum(t.numel() for t in f.tensors.values()),
+                         "density": density, "scatter_s": statistics.median(scatters),
+                         "pause_s": statistics.median(pauses),
+                         "staged_bytes": status["last_apply"]["staged_bytes"],
+                         "equal": live == want, **peers})
+    finally:
+        f.close()
     return rows
 
 
@@ -182,7 +150,7 @@ def run(quick: bool = False) -> str:
     densities = DENSITIES[:1] if quick else DENSITIES
     with tempfile.TemporaryDirectory(prefix="bench-peers-") as tmp:
         engine_env(tmp)
-        rows = _measure(name, CASES[name], Path(tmp), densities)
+        rows = _measure(name, Path(tmp), densities)
     lines = [
         "## peers: our apply vs vLLM's sparse patch loader and reload (same engine, same delta)",
         "",

@@ -23,7 +23,8 @@ sequences. The prompts change from run to run (a follower must not reuse blocks 
 run's weights, where stock would), and the 16 prompts of a batch share their first half (a
 system prompt: hits within a version).
 
-Rounds: in each, every workload takes a turn on every engine, the starting engine rotating
+Rounds (:data:`ROUNDS`; the long workloads in the first :data:`LONG_ROUNDS` only): in each,
+every workload takes a turn on every engine, the starting engine rotating
 from round to round, so that the drift of this shared machine's speed falls on all modes
 alike; the engine measured runs alone (the others are stopped, SIGSTOP), after a short untimed
 generation, and follows while it runs: a turn runs the workload again and again (new prompts)
@@ -85,7 +86,12 @@ class Workload:
 WORKLOADS = (Workload(1, 64, 64), Workload(16, 64, 64), Workload(1, 1024, 1024),
              Workload(16, 1024, 1024))
 QUICK = (Workload(1, 64, 64), Workload(16, 64, 64), Workload(4, 256, 256))
+QUICK_MODES = MODES[:2]
+"""``--quick``: stock and the default (``keep_kv``), the headline ratio, two engines to start."""
 ROUNDS = 2
+LONG_ROUNDS = 1
+"""Rounds of the long (2,048-token) workloads: one turn of a batch of 16 runs ~15 s and sees ~5
+switches, so a single interleaved turn per engine measures it (the short ones take 2)."""
 BLOCK = 128
 """vLLM's KV block on the CPU build: a shared half shorter than this cannot hit."""
 TURN_S = 4.0
@@ -270,7 +276,7 @@ def _turn(engine: _Engine, w: Workload, round_: int, turn_s: float) -> None:
 
 
 def _measure(model_dir: Path, source: Path, tmp: Path, workloads: tuple[Workload, ...],
-             rounds: int, turn_s: float) -> list[_Engine]:
+             rounds: int, turn_s: float, modes: tuple[str, ...] = MODES) -> list[_Engine]:
     """Every mode's engine started first and kept alive, then the rounds (module doc)."""
     import cloudpickle
     from vllm import SamplingParams
@@ -280,12 +286,14 @@ def _measure(model_dir: Path, source: Path, tmp: Path, workloads: tuple[Workload
     max_len = max(w.prompt + w.generate for w in workloads) + 16
     engines: list[_Engine] = []
     try:
-        for mode in MODES:
+        for mode in modes:
             engines.append(_start(mode, model_dir, source, tmp, max_len))
         warm = [{"prompt_token_ids": [101, 102, 103]}]
         for round_ in range(rounds):
             order = engines[round_ % len(engines):] + engines[:round_ % len(engines)]
             for w in workloads:
+                if round_ >= (LONG_ROUNDS if w.prompt + w.generate >= 2048 else rounds):
+                    continue
                 for engine in order:
                     with engine.turn():
                         engine.llm.generate(warm, SamplingParams(max_tokens=4), use_tqdm=False)
@@ -337,6 +345,7 @@ def _table(rows: list[_Engine], workloads: tuple[Workload, ...]) -> list[str]:
 def run(quick: bool = False) -> str:
     """Markdown section: one row per mode."""
     workloads, rounds, turn_s = (QUICK, 1, 2.0) if quick else (WORKLOADS, ROUNDS, TURN_S)
+    modes = QUICK_MODES if quick else MODES
     with tempfile.TemporaryDirectory(prefix="bench-serving-") as tmp_name:
         tmp = Path(tmp_name)
         engine_env(tmp)
@@ -346,7 +355,7 @@ def run(quick: bool = False) -> str:
         params = sum(t.numel() for t in load_file(str(model_dir / "model.safetensors")).values())
         source = tmp / "source"
         _publish(model_dir, source, 16 if quick else STEPS)
-        rows = _measure(model_dir, source, tmp, workloads, rounds, turn_s)
+        rows = _measure(model_dir, source, tmp, workloads, rounds, turn_s, modes)
     lines = [
         "## serving: following throughput per in_flight mode vs stock vLLM (TP=1)",
         "",
@@ -355,7 +364,8 @@ def run(quick: bool = False) -> str:
         f"delta every {INTERVAL_S:.0f} s. Workloads `batch x (prompt + generated)` tokens, each "
         f"turn of an engine running one again (new prompts) for at least {turn_s:.0f} s; "
         f"tokens/s generated (prefill included), the median over {rounds} interleaved "
-        "rounds, and the ratio to stock. The engines are alive together, the starting "
+        f"rounds ({min(rounds, LONG_ROUNDS)} for the 2,048-token workloads, whose turns run "
+        "~15 s each and see several switches), and the ratio to stock. The engines are alive together, the starting "
         "engine rotating each round; the engine measured runs alone, the others stopped "
         "(SIGSTOP).",
         "",
@@ -381,7 +391,7 @@ def run(quick: bool = False) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true",
-                        help="short workloads and a 512-token batch of 4, one round")
+                        help="stock and keep_kv only, short workloads and a 512-token batch of 4, one round")
     print(run(quick=parser.parse_args().quick))
 
 

@@ -30,14 +30,14 @@ BENCHMARKS = {
     "codec": "bytes per changed element and per step (v1, v2, v3; payload and all bytes), dense fallback, encode/decode vs memcpy, GPU apply",
     "publisher": "publish() and upload cost per training step, bytes per step; publish() and publish -> committed against the snapshot floor",
     "apply": "engine pause per delta vs full reload_weights; peak extra host memory vs delta size",
-    "serving": "following throughput per in_flight mode (keep_kv, continue, drain) against stock vLLM, short and long sequences at batch 1 and 16, a ~1% step every 3 s; recompute tokens per switch, prefix-cache hit rate",
     "peers": "our scatter vs vLLM's load_checkpoint_weight_patches and reload_weights on one engine, at ~0.5% and ~3%, and the memory floor",
+    "serving": "following throughput per in_flight mode (keep_kv, continue, drain) against stock vLLM, short and long sequences at batch 1 and 16, a ~1% step every 3 s; recompute tokens per switch, prefix-cache hit rate",
     "download": "download throughput vs plain parallel GET",
     "moe": "per-expert cost: shard map build with learned CPU MoE layouts, one step's apply, layout memory",
     "drafter": "speculative decoding: acceptance rate and decode throughput per training step, drafter following its bucket vs frozen, one run",
     "scale": "1T MoE scale model: one EP rank's real expert share over hf://, requests, bytes, publish/download/decode/apply, encode at 1/2 threads; EP rank 0's plan on full-size DeepSeek-V3 and 1T manifests (one core, median of 5); publish -> applied from measured rates and named assumptions, each halved and doubled",
     "fleet": "10, 100 and 1,000 simulated replicas (real discovery, download, node cache) on the local Hub server, with and without an nginx mirror and fetch jitter: origin requests per 5 min, origin bytes per step, mirror hit ratio, commit -> held p50/p99",
-    "lora": "LoRA policies: changed bf16 elements per step of the merged weights vs the adapter's A and B (rank 8/64, lr 1e-6..1e-4), bytes per step merged vs adapter through real publishers; serving part to come",
+    "lora": "LoRA policies: changed bf16 elements per step of the merged weights vs the adapter's A and B (rank 8/64, lr 1e-6..1e-4), bytes per step merged vs adapter through real publishers; decode tokens/s stock vs following the merged bucket vs the adapter, an adapter step's pause vs vLLM's load_inplace",
     "gpu": "the GPU rows of every benchmark (publisher diff on the device, snapshot floor on the GPU, decode + apply of 7B shapes, engine apply pause, pytest -m gpu); 'not run' without CUDA",
 }
 DEFAULT_OUT = Path(__file__).with_name("RESULTS.md")
@@ -125,7 +125,9 @@ def merge(old: str, results: dict[str, tuple[str, str]], argv: list[str],
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(description="Run every benchmark that applies here.")
-    parser.add_argument("--quick", action="store_true", help="small sizes (a smoke test, minutes)")
+    parser.add_argument("--quick", action="store_true",
+                        help="small sizes and the headline rows only (< 5 min; make bench-quick): "
+                             "check a machine before quoting its numbers")
     parser.add_argument("--only", default="", help=f"comma-separated subset of {','.join(BENCHMARKS)}")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     parser.add_argument("--merge", action="store_true",
