@@ -311,7 +311,10 @@ def test_proof_refuses_checkpoint_layout_on_repacked_experts(tp2_refused: Refuse
     assert "w13_weight" in str(synced) or "w2_weight" in str(synced)
     assert 'deltasync_failing{model="policy",rank="0"} 1.0' in metrics
     assert 'deltasync_failing{model="policy",rank="1"} 1.0' in metrics
-    assert before == after  # still serving the checkpoint
+    # still serving the checkpoint: the same tokens and logprobs (the second pass reads the
+    # prompts' blocks from the prefix cache: ``cached`` differs, by design)
+    assert [{k: v for k, v in o.items() if k != "cached"} for o in after] == [
+        {k: v for k, v in o.items() if k != "cached"} for o in before]
 
 
 @requires_vllm
