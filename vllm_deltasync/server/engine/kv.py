@@ -158,9 +158,10 @@ class KvVersions:
             self._requests.resalt(request, want)
             self.admitted += 1
 
-    def _concerns(self, request: Any, key: str) -> bool:
-        del request  # every request, for every key with kv_scope "every" (module doc)
-        return key in self._every
+    def _concerned(self, key: str) -> list[Any]:
+        """The requests the weights of ``key`` determine: every unfinished one for a key with
+        ``kv_scope="every"``, none for any other (module doc)."""
+        return self._unfinished() if key in self._every else []
 
     def switched(self, key: str, identity: str, in_flight: str) -> KvSwitch:
         """The weights of ``key`` are now ``identity``: re-salt and preempt as ``in_flight``
@@ -170,7 +171,7 @@ class KvVersions:
         self.identities[key] = identity
         if self._requests is None:
             return KvSwitch(in_flight)
-        mine = [r for r in self._unfinished() if self._concerns(r, key)]
+        mine = self._concerned(key)
         states = {id(r): self._requests.state(r) for r in mine}
         running = [r for r in mine if states[id(r)] == RUNNING]
         recompute = in_flight in RECOMPUTES
@@ -193,8 +194,8 @@ class KvVersions:
             self.identities[key] = identity
         if self._requests is None:
             return
-        for request in self._unfinished():
-            if self._concerns(request, key) and self._requests.state(request) in (NEW, IDLE):
+        for request in self._concerned(key):
+            if self._requests.state(request) in (NEW, IDLE):
                 want = self.salt_for(request)
                 if want != self._requests.salt(request):
                     self._requests.resalt(request, want)
