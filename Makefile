@@ -16,9 +16,12 @@ lint: setup
 check: lint
 	$(PY) -m pytest -q -m "not engine and not distributed" tests
 
-# The full suite, engines included; what CI runs (.ci/run).
+# The full suite, engines included; what CI runs (.ci/run). Whole modules go to TEST_WORKERS
+# pytest-xdist workers, engine modules first (tests/conftest.py); each worker's engines bind to
+# cores of their own (tests/helpers/cores.py). TEST_WORKERS=0 runs it in this process.
+TEST_WORKERS ?= 2
 test: lint
-	$(PY) -m pytest -q --durations=30 tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=30 tests
 
 demo: setup
 	$(PY) examples/demo.py

@@ -47,6 +47,26 @@ os.environ.setdefault("VLLM_DELTASYNC_CPU_KERNELS", "inplace")
 T = TypeVar("T")
 
 
+# -- the order modules run in ------------------------------------------------------------------
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Modules that start engines or torchrun jobs first, the quick ones last (order within a
+    module kept): ``make test`` hands whole modules to its pytest-xdist workers in this order
+    (``--dist loadfile --no-loadscope-reorder``), so while one worker ends a long engine module
+    the other fills the time with short ones instead of waiting."""
+    def heavy(item: pytest.Item) -> int:
+        return 0 if any(item.get_closest_marker(m) for m in ("engine", "distributed")) else 1
+
+    modules: dict[str, int] = {}
+    for item in items:
+        module = item.nodeid.split("::", 1)[0]
+        modules[module] = min(modules.get(module, 1), heavy(item))
+    position = {m: i for i, m in enumerate(modules)}
+    items.sort(key=lambda item: (modules[item.nodeid.split("::", 1)[0]],
+                                 position[item.nodeid.split("::", 1)[0]]))
+
+
 # -- the host: the stock engines it runs (README, Development: hosts) -------------------------
 
 

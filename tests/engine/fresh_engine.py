@@ -28,6 +28,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from tests.helpers.cores import engine_cores
+
 
 def reference_outputs(tp: int, prompts: list[str], checkpoints: list[str]) -> dict[str, Any]:
     from vllm import LLM
@@ -85,7 +87,7 @@ def main(spec_path: str, out_path: str) -> None:
     os.environ.update({
         "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
         "VLLM_CPU_KVCACHE_SPACE": "1",
-        "VLLM_CPU_OMP_THREADS_BIND": "0|1" if tp == 2 else "0",
+        "VLLM_CPU_OMP_THREADS_BIND": engine_cores(tp),
         "VLLM_RPC_BASE_PATH": rpc,
         "TOKENIZERS_PARALLELISM": "false",
     })

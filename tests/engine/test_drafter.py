@@ -34,6 +34,7 @@ from typing import Any
 import pytest
 
 from examples.toymodel import build_eagle_head, build_model
+from tests.helpers.cores import engine_cores
 from tests.helpers.drafter import greedy, speculative_llm
 from tests.helpers.engines import (
     Trainer,
@@ -73,9 +74,7 @@ def _fresh(tmp: Path, pairs: list[tuple[Path, Path]], tp: int,
            method: str = "draft_model") -> dict[str, list[list[int]]]:
     """Greedy tokens of fresh stock engines (no extension, same speculative configuration),
     one per (policy, draft) checkpoint pair, in a child process."""
-    env = {"VLLM_CACHE_ROOT": str(tmp / "fresh-cache")}
-    if tp == 2:
-        env["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"
+    env = {"VLLM_CACHE_ROOT": str(tmp / "fresh-cache"), "VLLM_CPU_OMP_THREADS_BIND": engine_cores(tp)}
     proc = run_engine_child(tmp, FRESH, json.dumps([[str(p), str(d)] for p, d in pairs]),
                             str(tp), method, env=env, timeout=300,
                             hang="the fresh speculative engine hung")

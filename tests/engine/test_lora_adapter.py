@@ -33,6 +33,7 @@ from typing import Any
 import pytest
 
 from examples.toymodel import build_model, load_hf_model
+from tests.helpers.cores import engine_cores
 from tests.helpers.engine_hooks import switch_every_steps_env
 from tests.helpers.engines import (
     EXTENSION,
@@ -230,7 +231,7 @@ def test_tp2_server_follows_and_refuses_bad_adapters(lora_run: LoraRun) -> None:
            "VLLM_DELTASYNC_METRICS_PORT": str(port), "VLLM_DELTASYNC_METRICS_HOST": "127.0.0.1",
            "VLLM_DELTASYNC_LORA_URLS": json.dumps({s.name: s.url for s in
                                                     (main, wide, alien, other)}),
-           "VLLM_CPU_OMP_THREADS_BIND": "0|1"}
+           "VLLM_CPU_OMP_THREADS_BIND": engine_cores(2)}
     metrics = f"http://127.0.0.1:{port}"
     with api_server(tmp, run.model_dir, env,
                     extra_args=("--tensor-parallel-size", "2", "--enable-lora",

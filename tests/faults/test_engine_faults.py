@@ -34,6 +34,7 @@ from typing import Any
 import pytest
 
 from tests.helpers import hubserver
+from tests.helpers.cores import other_core
 from tests.helpers.engines import (
     Trainer,
     api_server,
@@ -190,7 +191,7 @@ def test_idle_follower_leaves_the_cores_alone(run: Run) -> None:
 
 def test_api_server_killed_and_restarted_catches_up(run: Run) -> None:
     port = free_port()
-    env = {**run.env, "VLLM_CPU_OMP_THREADS_BIND": "1",  # not the module engine's core
+    env = {**run.env, "VLLM_CPU_OMP_THREADS_BIND": other_core(),  # not the module engine's core
            "VLLM_DELTASYNC_URL": run.url, "VLLM_DELTASYNC_POLL_INTERVAL_S": "0.2",
            "VLLM_DELTASYNC_METRICS_PORT": str(port), "VLLM_DELTASYNC_METRICS_HOST": "127.0.0.1",
            "VLLM_DELTASYNC_STORE_OPTIONS": json.dumps({"retry_policy": FAST_RETRY})}

@@ -30,6 +30,7 @@ import pytest
 import torch
 
 from examples.toymodel import load_hf_model
+from tests.helpers.cores import engine_cores
 from tests.helpers.net import free_port
 
 EXTENSION = "vllm_deltasync.DeltaSyncExtension"
@@ -115,7 +116,7 @@ def engine_vars(tmp: Path, tp: int) -> dict[str, str]:
         "VLLM_CACHE_ROOT": str(tmp / "vllm-cache"),
         "VLLM_RPC_BASE_PATH": tempfile.mkdtemp(prefix="vrpc"),
         "VLLM_CPU_KVCACHE_SPACE": "1",
-        "VLLM_CPU_OMP_THREADS_BIND": "0|1" if tp == 2 else "0",
+        "VLLM_CPU_OMP_THREADS_BIND": engine_cores(tp),
         "TOKENIZERS_PARALLELISM": "false",
     }
 
@@ -236,6 +237,10 @@ def api_server(
     rpc = tempfile.mkdtemp(prefix="vrpc")  # unix socket paths must stay under 107 bytes
     full_env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1",
                 "VLLM_CACHE_ROOT": str(tmp / "vllm-cache"), "VLLM_RPC_BASE_PATH": rpc, **env}
+    if "--data-parallel-size" not in extra_args:  # (several engine cores: vLLM's own binding)
+        tp = (int(extra_args[extra_args.index("--tensor-parallel-size") + 1])
+              if "--tensor-parallel-size" in extra_args else 1)
+        full_env.setdefault("VLLM_CPU_OMP_THREADS_BIND", engine_cores(tp))
     log_path = tmp / "server.log"
     with log_path.open("wb") as log:
         proc = subprocess.Popen(

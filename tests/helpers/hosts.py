@@ -4,19 +4,22 @@ are in tests/conftest.py."""
 
 from __future__ import annotations
 
+import fcntl
 import importlib.util
+import json
 import os
 import re
 import signal
 import subprocess
 import sys
 import tempfile
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from .cores import engine_cores
 from .host_probe import KINDS
 
 REPO = Path(__file__).resolve().parents[2]
@@ -108,10 +111,28 @@ _PROBES: dict[str, EngineProbe] = {}
 
 def engine_probe(kind: str) -> EngineProbe:
     """Run a stock engine of ``kind`` (tests/helpers/host_probe.py) in a child process, once per test
-    session: ~25 s where it works, paid only when a test that needs the kind runs."""
+    run: ~25 s where it works, paid only when a test that needs the kind runs. The pytest-xdist
+    workers of one run share the answer (the first to need it runs the probe, the others wait
+    for its file)."""
     if kind not in _PROBES:
-        _PROBES[kind] = _run_probe(kind)
+        _PROBES[kind] = _shared_probe(kind)
     return _PROBES[kind]
+
+
+def _shared_probe(kind: str) -> EngineProbe:
+    run_id = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    if not run_id or not run_id.isalnum():
+        return _run_probe(kind)
+    folder = Path(tempfile.gettempdir()) / f"deltasync-probes-{os.getuid()}-{run_id}"
+    folder.mkdir(mode=0o700, exist_ok=True)
+    answer = folder / f"{kind}.json"
+    with (folder / f"{kind}.lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if answer.exists():
+            return EngineProbe(**json.loads(answer.read_text()))
+        probe = _run_probe(kind)
+        answer.write_text(json.dumps(asdict(probe)))
+        return probe
 
 
 def _run_probe(kind: str) -> EngineProbe:
@@ -121,7 +142,7 @@ def _run_probe(kind: str) -> EngineProbe:
             "VLLM_PLUGINS": "no-plugin-has-this-name",
             "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
             "VLLM_CPU_KVCACHE_SPACE": "1",
-            "VLLM_CPU_OMP_THREADS_BIND": "0",
+            "VLLM_CPU_OMP_THREADS_BIND": engine_cores(1),
             "VLLM_CACHE_ROOT": f"{work}/cache",
             "VLLM_RPC_BASE_PATH": work,
             "TOKENIZERS_PARALLELISM": "false",
