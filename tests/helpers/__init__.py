@@ -10,6 +10,8 @@ module                 what
 ``waiting``            ``wait_until``: a condition polled to a deadline, failing with what
                        was awaited (instead of a sleep long enough on a good day)
 ``net``                ``free_port``, ``http_get``
+``cores``              the cores each pytest-xdist worker's engines bind to
+``loopserver``         ``LoopServer``: an aiohttp server on its own loop and thread
 ``hosts``              the host's CPU and AMX tiles, stock-engine probes, skip reasons
 ``host_probe``         the probe itself (``python -m tests.helpers.host_probe KIND DIR``)
 ``hubserver``          the local Hugging Face bucket server (loopback; fault switches)

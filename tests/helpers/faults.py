@@ -10,10 +10,8 @@ or link-local addresses must be refused before any connection, which is what the
 
 from __future__ import annotations
 
-import asyncio
 import json
 import socket
-import threading
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -21,6 +19,7 @@ from typing import Any
 import pytest
 from aiohttp import web
 
+from tests.helpers.loopserver import LoopServer
 from tests.helpers.publishing import reindex
 from vllm_deltasync.format.manifest import dump_document, load_document, manifest_identity
 
@@ -31,17 +30,16 @@ PLANTED = ("AKIAPLANTEDKEY0001", "planted-secret-0001", "planted-session-token-0
 """Strings that must never appear in any output, log, error or metric."""
 
 
-class Hostile:
+class Hostile(LoopServer):
     """A small aiohttp server on loopback whose routes misbehave on purpose."""
 
+    thread_name = "hostile-http"
+
     def __init__(self) -> None:
+        super().__init__()
         self.handlers: dict[tuple[str, str], Handler] = {}
         self.log: list[tuple[str, str]] = []
         self.url = ""
-        self._loop = asyncio.new_event_loop()
-        self._ready = threading.Event()
-        self._thread = threading.Thread(target=self._serve, daemon=True, name="hostile-http")
-        self._runner: web.AppRunner | None = None
 
     def on(self, method: str, path: str, handler: Handler) -> None:
         self.handlers[(method, path)] = handler
@@ -55,32 +53,10 @@ class Hostile:
             return web.Response(status=404, headers={"X-Error-Code": "EntryNotFound"})
         return await handler(request)
 
-    def _serve(self) -> None:
-        asyncio.set_event_loop(self._loop)
+    async def _start(self) -> None:
         app = web.Application()
         app.router.add_route("*", "/{tail:.*}", self._dispatch)
-        self._runner = web.AppRunner(app, access_log=None)
-        self._loop.run_until_complete(self._runner.setup())
-        site = web.TCPSite(self._runner, "127.0.0.1", 0)
-        self._loop.run_until_complete(site.start())
-        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-        self.url = f"http://127.0.0.1:{port}"
-        self._ready.set()
-        self._loop.run_forever()
-
-    def __enter__(self) -> Hostile:
-        self._thread.start()
-        self._ready.wait(10)
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        async def stop() -> None:
-            if self._runner is not None:
-                await self._runner.cleanup()
-
-        asyncio.run_coroutine_threadsafe(stop(), self._loop).result(10)
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(10)
+        self.url = await self._serve(app, access_log=None)
 
 
 class LookupLog:

@@ -26,13 +26,14 @@ import hashlib
 import hmac
 import json
 import math
-import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import quote, unquote
 
 from aiohttp import web
+
+from .loopserver import LoopServer
 
 SECRET = b"cdn-signing-key"
 
@@ -78,10 +79,11 @@ class Quota:
         return True, self.limit - self.used, reset
 
 
-class HubServer:
+class HubServer(LoopServer):
     """Runs the two origins on a daemon thread; ``with HubServer() as hub: ...``."""
 
     def __init__(self, token: str | None = "hf_test_secret_token", page_size: int = 50) -> None:
+        super().__init__()
         self.token = token
         self.page_size = page_size
         self.faults = Faults()
@@ -92,22 +94,13 @@ class HubServer:
         self.cdn_bytes_served = 0
         self.quotas = {"api": Quota(1000, 300.0), "resolve": Quota(5000, 300.0)}
         self.events: list[dict[str, Any]] = []
-        self._loop = asyncio.new_event_loop()
         self._changed: asyncio.Event | None = None
-        self._runners: list[web.AppRunner] = []
         self.endpoint = ""
         self.cdn = ""
 
-    # -- lifecycle ---------------------------------------------------------------------------
+    # -- lifecycle (LoopServer) --------------------------------------------------------------
 
-    def __enter__(self) -> HubServer:
-        threading.Thread(target=self._loop.run_forever, daemon=True, name="hubserver").start()
-        asyncio.run_coroutine_threadsafe(self._start(), self._loop).result(10)
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        asyncio.run_coroutine_threadsafe(self._stop(), self._loop).result(10)
-        self._loop.call_soon_threadsafe(self._loop.stop)
+    thread_name = "hubserver"
 
     async def _start(self) -> None:
         self._changed = asyncio.Event()
@@ -126,24 +119,6 @@ class HubServer:
         self.endpoint = await self._serve(api, "127.0.0.1")
         self.cdn = await self._serve(cdn, "127.0.0.2")
 
-    async def _serve(self, app: web.Application, host: str) -> str:
-        runner = web.AppRunner(app, shutdown_timeout=0.5, handle_signals=False)
-        await runner.setup()
-        site = web.TCPSite(runner, host, 0)
-        await site.start()
-        self._runners.append(runner)
-        port = runner.addresses[0][1]
-        return f"http://{host}:{port}"
-
-    async def _stop(self) -> None:
-        for runner in self._runners:
-            await runner.cleanup()
-        current = asyncio.current_task()
-        leftovers = [t for t in asyncio.all_tasks() if t is not current]
-        for task in leftovers:  # open event feeds
-            task.cancel()
-        await asyncio.gather(*leftovers, return_exceptions=True)
-
     # -- test helpers (any thread) -----------------------------------------------------------
 
     def create_bucket(self, bucket_id: str) -> None:
@@ -151,7 +126,7 @@ class HubServer:
 
     def put(self, bucket_id: str, path: str, data: bytes) -> None:
         """Store an object as an upload would, emitting an event."""
-        asyncio.run_coroutine_threadsafe(self._store(bucket_id, path, data), self._loop).result(10)
+        self._call(self._store(bucket_id, path, data))
 
     def set_quota(self, kind: str, limit: int, window_s: float) -> None:
         """Replace quota ``api`` or ``resolve`` with a fresh window."""

@@ -22,7 +22,6 @@ import shutil
 import socket
 import subprocess
 import tempfile
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -30,6 +29,8 @@ from typing import Any
 from urllib.parse import unquote
 
 from aiohttp import web
+
+from .loopserver import LoopServer
 
 TEMPLATE = Path(__file__).resolve().parents[2] / "deploy" / "nginx" / "deltasync-mirror.conf.template"
 _VAR = re.compile(r"\$\{(MIRROR_[A-Z_]+)\}")
@@ -157,7 +158,7 @@ def _ca_file() -> str:
     return str(certifi.where())
 
 
-class BadMirror:
+class BadMirror(LoopServer):
     """A mirror that fails on purpose, on its own loopback port and thread.
 
     ``source(key)`` gives an object's true bytes (or None: 404). ``mode``: ``corrupt`` (the
@@ -166,38 +167,20 @@ class BadMirror:
 
     def __init__(self, source: Callable[[str], bytes | None], mode: str = "corrupt",
                  trickle_bytes_per_s: int = 64) -> None:
+        super().__init__()
         self.source = source
         self.mode = mode
         self.trickle_bytes_per_s = trickle_bytes_per_s
         self.requests: list[dict[str, Any]] = []
         self.url = ""
-        self._loop = asyncio.new_event_loop()
-        self._runner: web.AppRunner | None = None
 
-    def __enter__(self) -> BadMirror:
-        threading.Thread(target=self._loop.run_forever, daemon=True, name="badmirror").start()
-        asyncio.run_coroutine_threadsafe(self._start(), self._loop).result(10)
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        asyncio.run_coroutine_threadsafe(self._stop(), self._loop).result(10)
-        self._loop.call_soon_threadsafe(self._loop.stop)
+    thread_name = "badmirror"
+    shutdown_timeout_s = 0.2
 
     async def _start(self) -> None:
         app = web.Application()
         app.router.add_get("/{key:.*}", self._get)
-        self._runner = web.AppRunner(app, shutdown_timeout=0.2, handle_signals=False)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, "127.0.0.1", 0)
-        await site.start()
-        self.url = f"http://127.0.0.1:{self._runner.addresses[0][1]}"
-
-    async def _stop(self) -> None:
-        current = asyncio.current_task()
-        for task in [t for t in asyncio.all_tasks() if t is not current]:
-            task.cancel()  # hanging handlers
-        if self._runner is not None:
-            await self._runner.cleanup()
+        self.url = await self._serve(app)
 
     async def _get(self, request: web.Request) -> web.StreamResponse:
         key = unquote(request.match_info["key"])
