@@ -23,14 +23,15 @@ sequences. The prompts change from run to run (a follower must not reuse blocks 
 run's weights, where stock would), and the 16 prompts of a batch share their first half (a
 system prompt: hits within a version).
 
-Rounds (:data:`ROUNDS`; the long workloads in the first :data:`LONG_ROUNDS` only): in each,
-every workload takes a turn on every engine, the starting engine rotating
+Rounds (each workload in as many as :data:`WORKLOADS` gives it): in each, every workload
+takes a turn on every engine, the starting engine rotating
 from round to round, so that the drift of this shared machine's speed falls on all modes
 alike; the engine measured runs alone (the others are stopped, SIGSTOP), after a short untimed
 generation, and follows while it runs: a turn runs the workload again and again (new prompts)
 for at least :data:`TURN_S` seconds, so switches land in it. Tokens/s: generated tokens over
-the turn's wall time (prefill included), the median over the rounds, and its ratio to
-stock's. Recompute per
+the turn's wall time (prefill included), the median over the rounds; the ratio to stock
+is the median over the rounds of each round's ratio (the turns of one round run minutes
+apart at most, so the machine's drift cancels in each). Recompute per
 switch: the KV tokens of running requests computed again at each switch that landed during
 the timed runs (the engine's switch records). Hit rate: prompt tokens served from the prefix
 cache over prompt tokens (vLLM's ``num_cached_tokens``), batched workloads whose shared half
@@ -77,21 +78,23 @@ class Workload:
     batch: int
     prompt: int
     generate: int
+    rounds: int = 1
+    """Interleaved rounds this workload takes part in (the first ``rounds`` of the run)."""
 
     @property
     def name(self) -> str:
         return f"{self.batch} x {self.prompt + self.generate}"
 
 
-WORKLOADS = (Workload(1, 64, 64), Workload(16, 64, 64), Workload(1, 1024, 1024),
-             Workload(16, 1024, 1024))
+WORKLOADS = (Workload(1, 64, 64, rounds=2), Workload(16, 64, 64, rounds=2),
+             Workload(1, 1024, 1024, rounds=3), Workload(16, 1024, 1024, rounds=1))
+"""Rounds per workload: a turn of the batch of 16 long sequences runs ~15 s and sees ~5
+switches, so one interleaved turn per engine measures it; a turn of one long sequence runs
+~8 s and sees one or two, where one round's ratio moved by +-0.2 on this shared machine: three
+rounds (the short workloads' turns are cheap in switches: two)."""
 QUICK = (Workload(1, 64, 64), Workload(16, 64, 64), Workload(4, 256, 256))
 QUICK_MODES = MODES[:2]
 """``--quick``: stock and the default (``keep_kv``), the headline ratio, two engines to start."""
-ROUNDS = 2
-LONG_ROUNDS = 1
-"""Rounds of the long (2,048-token) workloads: one turn of a batch of 16 runs ~15 s and sees ~5
-switches, so a single interleaved turn per engine measures it (the short ones take 2)."""
 BLOCK = 128
 """vLLM's KV block on the CPU build: a shared half shorter than this cannot hit."""
 TURN_S = 4.0
@@ -276,7 +279,7 @@ def _turn(engine: _Engine, w: Workload, round_: int, turn_s: float) -> None:
 
 
 def _measure(model_dir: Path, source: Path, tmp: Path, workloads: tuple[Workload, ...],
-             rounds: int, turn_s: float, modes: tuple[str, ...] = MODES) -> list[_Engine]:
+             turn_s: float, modes: tuple[str, ...] = MODES) -> list[_Engine]:
     """Every mode's engine started first and kept alive, then the rounds (module doc)."""
     import cloudpickle
     from vllm import SamplingParams
@@ -289,10 +292,10 @@ def _measure(model_dir: Path, source: Path, tmp: Path, workloads: tuple[Workload
         for mode in modes:
             engines.append(_start(mode, model_dir, source, tmp, max_len))
         warm = [{"prompt_token_ids": [101, 102, 103]}]
-        for round_ in range(rounds):
+        for round_ in range(max(w.rounds for w in workloads)):
             order = engines[round_ % len(engines):] + engines[:round_ % len(engines)]
             for w in workloads:
-                if round_ >= (LONG_ROUNDS if w.prompt + w.generate >= 2048 else rounds):
+                if round_ >= w.rounds:
                     continue
                 for engine in order:
                     with engine.turn():
@@ -329,8 +332,9 @@ def _table(rows: list[_Engine], workloads: tuple[Workload, ...]) -> list[str]:
     for r in rows:
         cells = []
         for w in workloads:
-            rate, base = (statistics.median(x.rates[w.name]) for x in (r, stock))
-            cells.append(f"{rate:.0f} ({rate / base:.2f})")
+            ratio = statistics.median(a / b for a, b in zip(r.rates[w.name], stock.rates[w.name],
+                                                            strict=True))
+            cells.append(f"{statistics.median(r.rates[w.name]):.0f} ({ratio:.2f})")
         sw = r.switches
         recompute = (f"{statistics.mean(s['recompute_tokens'] for s in sw):.0f}" if sw
                      else "-")
@@ -344,7 +348,7 @@ def _table(rows: list[_Engine], workloads: tuple[Workload, ...]) -> list[str]:
 
 def run(quick: bool = False) -> str:
     """Markdown section: one row per mode."""
-    workloads, rounds, turn_s = (QUICK, 1, 2.0) if quick else (WORKLOADS, ROUNDS, TURN_S)
+    workloads, turn_s = (QUICK, 2.0) if quick else (WORKLOADS, TURN_S)
     modes = QUICK_MODES if quick else MODES
     with tempfile.TemporaryDirectory(prefix="bench-serving-") as tmp_name:
         tmp = Path(tmp_name)
@@ -355,7 +359,7 @@ def run(quick: bool = False) -> str:
         params = sum(t.numel() for t in load_file(str(model_dir / "model.safetensors")).values())
         source = tmp / "source"
         _publish(model_dir, source, 16 if quick else STEPS)
-        rows = _measure(model_dir, source, tmp, workloads, rounds, turn_s, modes)
+        rows = _measure(model_dir, source, tmp, workloads, turn_s, modes)
     lines = [
         "## serving: following throughput per in_flight mode vs stock vLLM (TP=1)",
         "",
@@ -363,11 +367,12 @@ def run(quick: bool = False) -> str:
         f"layers). Each extension engine follows its bucket while it runs: a ~{DENSITY:.0%} "
         f"delta every {INTERVAL_S:.0f} s. Workloads `batch x (prompt + generated)` tokens, each "
         f"turn of an engine running one again (new prompts) for at least {turn_s:.0f} s; "
-        f"tokens/s generated (prefill included), the median over {rounds} interleaved "
-        f"rounds ({min(rounds, LONG_ROUNDS)} for the 2,048-token workloads, whose turns run "
-        "~15 s each and see several switches), and the ratio to stock. The engines are alive together, the starting "
-        "engine rotating each round; the engine measured runs alone, the others stopped "
-        "(SIGSTOP).",
+        "tokens/s generated (prefill included), the median over the interleaved rounds ("
+        + ", ".join(f"{w.name}: {w.rounds}" for w in workloads)
+        + "; a turn of 16 x 2048 runs ~15 s and sees several switches), and in brackets the "
+        "median of each round's ratio to stock's turn of that round. The engines are alive "
+        "together, the starting engine rotating each round; the engine measured runs alone, "
+        "the others stopped (SIGSTOP).",
         "",
         *_table(rows, workloads),
         "",
