@@ -376,7 +376,7 @@ def write_files(store: Store, loop: BackgroundLoop, facts: StepFacts, items: lis
 
 def _encode_and_pack(store: Store, loop: BackgroundLoop, facts: StepFacts, items: list[StepItem],
                      options: WriteOptions, attempt: str | None, executor: Executor | None,
-                     ) -> tuple[DataFiles, tuple[TensorEntry, ...]]:
+                     gate: Future[Any] | None = None) -> tuple[DataFiles, tuple[TensorEntry, ...]]:
     """Encode ``items`` into data files; the last file's write is started, not waited for
     (``DataFiles.wait``). Returns the files and one tensor entry per tensor."""
     for item in items:  # before anything is encoded or written
@@ -387,7 +387,7 @@ def _encode_and_pack(store: Store, loop: BackgroundLoop, facts: StepFacts, items
     threads = encode_threads_for(options.encode_threads)
     small = sum(item.new_values.numel() for item in items) < INLINE_ELEMENTS
     files = DataFiles(store, loop, facts.step, facts.kind, options.max_file_bytes, options.timeout_s,
-                      options.version, options.tokens[1], attempt)
+                      options.version, options.tokens[1], attempt, gate)
     dense, sparse = get_codec("dense"), get_codec(options.codec)
     pending: list[tuple[StepItem, Codec, list[PendingChunk]]] = []
     for item in items:
@@ -433,16 +433,25 @@ def write_step(store: Store, loop: BackgroundLoop, facts: StepFacts, items: list
     (a delta) and ``resumed_from`` (an anchor, optional); 1 writes the old format (no writer
     token, no identities, chunks placed by position); ``facts.adapter``, an adapter bucket's
     record, needs version 2 or 3. The manifest is built, serialized and checked while the last
-    data file is still being written; it is written once every data file is. ``executor``: as
-    in ``write_files``.
+    data file is still being written; it is committed once every data file is. ``executor``:
+    as in ``write_files``.
     """
+    return commit_step(store, loop, facts, items, options, executor=executor)[0]
+
+
+def commit_step(store: Store, loop: BackgroundLoop, facts: StepFacts, items: list[StepItem],
+                options: WriteOptions, *, executor: Executor | None = None,
+                gate: Future[Any] | None = None) -> tuple[Manifest, int]:
+    """``write_step``, returning the manifest and the size of its committed bytes. ``gate``: a
+    check run on ``loop`` meanwhile (the publisher's second-writer check) that must pass before
+    any file is written; its error is raised and nothing is written."""
     run_id, writer = options.tokens
     if options.version >= 2 and not (run_id and writer):
         raise ConfigError(f"write_step: format version {options.version} needs run_id and writer")
     if facts.adapter is not None and options.version < 2:
         raise ConfigError("write_step: format version 1 has no adapter record; write an adapter "
                           "bucket's steps with version 2 or 3")
-    files, entries = _encode_and_pack(store, loop, facts, items, options, None, executor)
+    files, entries = _encode_and_pack(store, loop, facts, items, options, None, executor, gate)
     try:
         v2 = options.version >= 2
         manifest = Manifest(
@@ -460,9 +469,10 @@ def write_step(store: Store, loop: BackgroundLoop, facts: StepFacts, items: list
     except BaseException:
         files.wait_quietly()
         raise
-    files.wait()  # every data file is written before the manifest commits the step
-    loop.run(store.write(manifest_path(manifest.step), data), options.timeout_s)
-    return replace(manifest, identity=manifest_identity(data))
+    # the manifest (the commit point) appears only once every data file is written; a store
+    # may prepare its write meanwhile (file://: the temporary file written and fsync'ed)
+    loop.run(store.write_after(manifest_path(manifest.step), data, files.written()), options.timeout_s)
+    return replace(manifest, identity=manifest_identity(data)), len(data)
 
 
 def manifest_bytes(manifest: Manifest) -> bytes:
@@ -487,5 +497,5 @@ def commit_manifest(store: Store, loop: BackgroundLoop, manifest: Manifest,
     return replace(manifest, identity=manifest_identity(data))
 
 
-__all__ = ["MAX_ENCODE_THREADS", "StepFacts", "StepItem", "WriteOptions", "commit_manifest",
+__all__ = ["MAX_ENCODE_THREADS", "StepFacts", "StepItem", "WriteOptions", "commit_manifest", "commit_step",
            "encode_threads_for", "manifest_bytes", "retain", "shifted", "write_files", "write_step"]
