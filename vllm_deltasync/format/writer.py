@@ -19,7 +19,6 @@ import collections
 import contextlib
 import functools
 import os
-import threading
 import time
 from collections.abc import Callable, Generator, Iterator
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
@@ -52,10 +51,9 @@ from vllm_deltasync.stores import Store
 MAX_ENCODE_THREADS = 8
 """``encode_threads=0`` uses one thread per available core, at most this many."""
 INLINE_ELEMENTS = 1 << 20
-"""A step carrying fewer elements (changed ones, or an anchor's) encodes its chunks on the
-calling thread and one helper task per other encode thread, each taking the next chunk under a
-lock (``_in_shares``): its chunks encode in a few milliseconds, and a pool hand-over per chunk
-would cost more than it saves (the bytes do not depend on it)."""
+"""A step carrying fewer elements (changed ones, or an anchor's) encodes on the calling thread:
+its chunks encode in a few milliseconds, and the pool's hand-overs would cost more than they
+save (the bytes do not depend on it)."""
 
 
 def encode_threads_for(encode_threads: int) -> int:
@@ -231,62 +229,6 @@ def _in_order(jobs: Iterator[tuple[int, Callable[[], Any]]], threads: int,
                 future.exception()
 
 
-def _in_shares(jobs: list[tuple[int, Callable[[], Any]]], threads: int, executor: Executor | None
-               ) -> Generator[tuple[int, Any], None, None]:
-    """``(tag, job())`` for each ``(tag, job)``, in order, for a small step: the jobs are taken
-    one at a time, in order, by the calling thread and by ``threads - 1`` helpers, each one task
-    on ``executor`` (None: no helper). No hand-over per chunk (a lock), and the caller does the
-    next job not taken while a result it needs is not there, so a helper that a busy host does
-    not run holds up at most the one chunk it took. The first error is raised in order; no job
-    starts after it."""
-    n = len(jobs)
-    results: list[tuple[bool, Any] | None] = [None] * n
-    state = {"next": 0, "stop": False}
-    cond = threading.Condition()
-
-    def work_one() -> bool:
-        with cond:
-            if state["stop"] or state["next"] >= n:
-                return False
-            j = state["next"]
-            state["next"] = j + 1
-        try:
-            result: tuple[bool, Any] = (True, jobs[j][1]())
-        except BaseException as exc:  # raised by the caller, in order
-            result = (False, exc)
-        with cond:
-            results[j] = result
-            state["stop"] = state["stop"] or not result[0]  # every earlier job was taken already
-            cond.notify_all()
-        return True
-
-    def helper() -> None:
-        while work_one():
-            pass
-
-    helpers = threads - 1 if executor is not None and n > 1 else 0
-    futures = [executor.submit(helper) for _ in range(helpers)] if executor is not None else []
-    try:
-        for i in range(n):
-            while results[i] is None and work_one():
-                pass
-            with cond:
-                cond.wait_for(lambda i=i: results[i] is not None)  # type: ignore[misc]
-            ok, value = results[i]  # type: ignore[misc]
-            results[i] = None
-            if not ok:
-                raise value
-            yield jobs[i][0], value
-    finally:
-        with cond:
-            state["stop"] = True
-        for future in futures:
-            future.cancel()
-        for future in futures:  # a helper already running ends before the caller goes on
-            if not future.cancelled():
-                future.exception()
-
-
 @dataclass(frozen=True)
 class StepFacts:
     """What a step is, as its manifest records it (besides files and tensors)."""
@@ -385,7 +327,8 @@ def _encode_and_pack(store: Store, loop: BackgroundLoop, facts: StepFacts, items
             raise FormatError(f"step {facts.step}: tensor {str(item.name)[:80]!r} {problem}; no "
                               "reader reads such a tensor, nothing was written")
     threads = encode_threads_for(options.encode_threads)
-    small = sum(item.new_values.numel() for item in items) < INLINE_ELEMENTS
+    if sum(item.new_values.numel() for item in items) < INLINE_ELEMENTS:
+        threads = 1  # a small step: handing its chunks to other threads costs more than it saves
     files = DataFiles(store, loop, facts.step, facts.kind, options.max_file_bytes, options.timeout_s,
                       options.version, options.tokens[1], attempt, gate)
     dense, sparse = get_codec("dense"), get_codec(options.codec)
@@ -398,12 +341,8 @@ def _encode_and_pack(store: Store, loop: BackgroundLoop, facts: StepFacts, items
             for plan in _plan_item(item, codec_of, files):
                 yield k, functools.partial(_encode_chunk, item, codec_of, plan)
 
-    if small:  # chunks taken one by one by this thread and helpers (no hand-over per chunk)
-        order = _in_shares(list(jobs()), threads, executor)
-    else:
-        order = _in_order(jobs(), threads, executor)
     try:
-        with contextlib.closing(order) as encoded:
+        with contextlib.closing(_in_order(jobs(), threads, executor)) as encoded:
             for k, (chunk, tensors) in encoded:  # an error: the pool stops
                 files.add(pending[k][0].name, tensors, chunk)
                 pending[k][2].append(chunk)
