@@ -15,6 +15,7 @@ encoded chunks (each at most about ``max_file_bytes``) wait besides the open fil
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import contextlib
 import functools
@@ -392,37 +393,73 @@ def commit_step(store: Store, loop: BackgroundLoop, facts: StepFacts, items: lis
                           "bucket's steps with version 2 or 3")
     files, entries = _encode_and_pack(store, loop, facts, items, options, None, executor, gate)
     try:
-        v2 = options.version >= 2
-        manifest = Manifest(
-            step=facts.step, kind=facts.kind, base_step=facts.base_step,
-            anchor_step=facts.anchor_step, created_at=time.time(), fingerprint=facts.fingerprint,
-            files=tuple(files.entries), tensors=entries,
-            totals=Totals(facts.totals[0], facts.totals[1], sum(e.changed for e in entries),
-                          sum(f.size for f in files.entries)),
-            schema_version=options.version, run_id=run_id, writer=writer,
-            base_id=facts.base_id if v2 and facts.kind == "delta" else None,
-            resumed_from=facts.resumed_from if v2 and facts.kind == "anchor" else None,
-            adapter=facts.adapter,
-        )
-        data = manifest_bytes(manifest)
+        manifest = _manifest(facts, files, entries, options)
+        data = manifest.to_json()
     except BaseException:
         files.wait_quietly()
         raise
-    # the manifest (the commit point) appears only once every data file is written; a store
-    # may prepare its write meanwhile (file://: the temporary file written and fsync'ed)
-    loop.run(store.write_after(manifest_path(manifest.step), data, files.written()), options.timeout_s)
+    # The manifest (the commit point) appears only once every data file is written and its
+    # bytes passed the reader's validation; a store may prepare its write meanwhile (file://:
+    # the temporary file written and fsync'ed while this thread checks the bytes).
+    checked: Future[None] = Future()
+    commit = loop.submit(store.write_after(manifest_path(manifest.step), data,
+                                           _all_ready(files, checked)))
+    try:
+        _check_manifest(manifest, data)
+    except BaseException as exc:
+        checked.set_exception(exc)
+        with contextlib.suppress(BaseException):  # it raises this same error, nothing written
+            commit.result(options.timeout_s)
+        files.wait_quietly()
+        raise
+    checked.set_result(None)
+    try:
+        commit.result(options.timeout_s)
+    except TimeoutError:
+        commit.cancel()
+        raise TimeoutError(f"step {manifest.step}: the commit did not finish within "
+                           f"{options.timeout_s} s") from None
     return replace(manifest, identity=manifest_identity(data)), len(data)
+
+
+def _manifest(facts: StepFacts, files: DataFiles, entries: tuple[TensorEntry, ...],
+              options: WriteOptions) -> Manifest:
+    """The manifest of a step whose data files are ``files`` (their writes may still run)."""
+    run_id, writer = options.tokens
+    v2 = options.version >= 2
+    return Manifest(
+        step=facts.step, kind=facts.kind, base_step=facts.base_step,
+        anchor_step=facts.anchor_step, created_at=time.time(), fingerprint=facts.fingerprint,
+        files=tuple(files.entries), tensors=entries,
+        totals=Totals(facts.totals[0], facts.totals[1], sum(e.changed for e in entries),
+                      sum(f.size for f in files.entries)),
+        schema_version=options.version, run_id=run_id, writer=writer,
+        base_id=facts.base_id if v2 and facts.kind == "delta" else None,
+        resumed_from=facts.resumed_from if v2 and facts.kind == "anchor" else None,
+        adapter=facts.adapter,
+    )
+
+
+async def _all_ready(files: DataFiles, checked: Future[None]) -> None:
+    """Every data file written (their first error raised), then the manifest's check passed."""
+    await files.written()
+    await asyncio.wrap_future(checked)
 
 
 def manifest_bytes(manifest: Manifest) -> bytes:
     """The document of ``manifest``, parsed back as a reader parses it: FormatError ("... a
     reader would refuse it") for a manifest a reader would refuse."""
     data = manifest.to_json()
+    _check_manifest(manifest, data)
+    return data
+
+
+def _check_manifest(manifest: Manifest, data: bytes) -> None:
+    """FormatError ("... a reader would refuse it") where a reader refuses ``data``."""
     try:  # the reader's own validation, on exactly these bytes: never commit what it refuses
         Manifest.from_json(data, source=f"step {manifest.step}'s manifest, not committed")
     except FormatError as exc:
         raise FormatError(f"{exc}; a reader would refuse it") from None
-    return data
 
 
 def commit_manifest(store: Store, loop: BackgroundLoop, manifest: Manifest,
