@@ -306,9 +306,10 @@ def run(quick: bool = False, device: str = "cpu") -> str:
         "committed <= 2.5x (issue 27, 7B shapes) and <= 3x for the trained model (issue 38). "
         "The first row is the trained model (75 tensors, the largest 4.1M elements, ~58 changed "
         "per step): per-chunk costs weigh on it (every changed tensor is one sparse-v3 chunk, "
-        "~0.1 ms each to encode), and the commit's fixed costs (the manifest built and checked "
-        "with the reader's validation, ~2 ms; two create-only writes; the second-writer listing "
-        "and the read-back); the second has tensors of a 7B model's size (the diff runs on 2 "
+        "~0.1 ms each to encode), and the commit's fixed costs (two fsync'ed create-only writes, "
+        "the data file's then the manifest's link; the manifest is built, checked with the "
+        "reader's validation and staged while the data file is written, the second-writer "
+        "listing runs while the step encodes); the second has tensors of a 7B model's size (the diff runs on 2 "
         "threads, so it can take less than the single-threaded copy).")
     out = f"### publish() against the snapshot floor\n\n{floor_note}\n\n{_floor_table(floors)}\n"
     if results:

@@ -121,3 +121,15 @@ def test_a_manifest_the_reader_refuses_is_never_committed(tmp_path: Path) -> Non
         with pytest.raises(FormatError, match="not committed.*a reader would refuse it"):
             commit_manifest(store, default_loop(), bad, 30)
     assert not (tmp_path / "b" / "manifests").exists()
+
+
+def test_a_step_whose_manifest_the_reader_refuses_leaves_no_manifest(tmp_path: Path) -> None:
+    """write_step checks the manifest's bytes while the store stages their write (file://: a
+    temporary file): a refused manifest is neither committed nor left behind."""
+    root = tmp_path / "b"
+    store = open_store(f"file://{root}")
+    item = StepItem("w", (4,), 4, None, torch.zeros(4, dtype=torch.bfloat16), None)
+    with pytest.raises(FormatError, match="not committed.*a reader would refuse it"):
+        write_step(store, default_loop(), _facts(fingerprint="sha256:xyz"), [item], OPTIONS)
+    assert [p.name for p in root.rglob("*") if "manifests" in p.parts and p.is_file()] == []
+    assert len(list((root / "data").rglob("*.safetensors"))) == 1  # its data file was written

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import itertools
 import threading
-import time
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
@@ -57,12 +55,9 @@ def _items(seed: int = 0, *, blocks: bool = True) -> list[StepItem]:
 
 
 def _publish(threads: int, monkeypatch: pytest.MonkeyPatch, *, codec: str = "sparse-v3",
-             version: int = 3, executor: ThreadPoolExecutor | None = None) -> dict[str, bytes]:
-    """The bucket's objects after one step; with ``executor``, a small step (shares), else the
-    windowed pool."""
+             version: int = 3) -> dict[str, bytes]:
     monkeypatch.setattr(_datafiles.secrets, "token_hex", lambda n: _TOKEN[: 2 * n])
-    if executor is None:
-        monkeypatch.setattr(writer, "INLINE_ELEMENTS", 0)  # small as the step is: through the pool
+    monkeypatch.setattr(writer, "INLINE_ELEMENTS", 0)  # small as the step is: through the pool
     monkeypatch.setattr(writer.time, "time", lambda: 1234.5)
     name = f"threads-{next(_NAMES)}"
     store = open_store(f"memory://{name}")
@@ -70,7 +65,7 @@ def _publish(threads: int, monkeypatch: pytest.MonkeyPatch, *, codec: str = "spa
     options = WriteOptions(codec, max_file_bytes=16 << 10, timeout_s=60, version=version,
                            run_id=_TOKEN if version >= 2 else None,
                            writer=_TOKEN if version >= 2 else None, encode_threads=threads)
-    write_step(store, default_loop(), facts, _items(blocks=version >= 2), options, executor=executor)
+    write_step(store, default_loop(), facts, _items(blocks=version >= 2), options)
     return dict(memory._BUCKETS.pop(name))
 
 
@@ -81,49 +76,6 @@ def test_any_thread_count_writes_the_same_bytes(codec: str, version: int, monkey
     assert sum(k.startswith("data/") for k in one) >= 6  # several files: packing is exercised
     for threads in (2, 3, 8, 0):
         assert _publish(threads, monkeypatch, codec=codec, version=version) == one, threads
-
-
-@pytest.mark.parametrize("threads", [2, 3])
-def test_a_small_step_encodes_in_shares_to_the_same_bytes(threads: int,
-                                                          monkeypatch: pytest.MonkeyPatch) -> None:
-    """A step under INLINE_ELEMENTS: its chunks taken one by one by the calling thread and the
-    helpers on the pool (each chunk slowed down, so that all take some), the same bytes."""
-    one = _publish(1, monkeypatch)
-    monkeypatch.undo()  # INLINE_ELEMENTS back: the step is small
-    ran_on: set[str] = set()
-    real_encode = writer._encode_chunk
-
-    def encode(*args: Any) -> Any:
-        ran_on.add(threading.current_thread().name)
-        time.sleep(0.01)
-        return real_encode(*args)
-
-    monkeypatch.setattr(writer, "_encode_chunk", encode)
-    with ThreadPoolExecutor(threads, thread_name_prefix="share") as pool:
-        assert _publish(threads, monkeypatch, executor=pool) == one
-    assert threading.current_thread().name in ran_on and any(n.startswith("share") for n in ran_on)
-
-
-def test_an_error_in_a_small_step_is_raised_in_order_and_no_job_starts_after_it() -> None:
-    """The first error in chunk order is raised once the helpers have ended; no job starts after
-    a job failed, whichever thread took it."""
-    started: list[int] = []
-
-    def job(k: int) -> Any:
-        def run() -> int:
-            started.append(k)
-            if k in (1, 4):
-                raise ValueError(f"job {k}")
-            time.sleep(0.05)
-            return k
-        return run
-
-    with ThreadPoolExecutor(2) as pool:
-        shares = writer._in_shares([(k, job(k)) for k in range(6)], 2, pool)
-        assert next(shares) == (0, 0)
-        with pytest.raises(ValueError, match="job 1"):
-            next(shares)
-    assert sorted(started) == [0, 1]
 
 
 def test_encode_threads_option() -> None:

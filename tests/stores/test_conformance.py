@@ -6,6 +6,7 @@ bucket server, s3:// against moto's S3 server, both over HTTP on loopback.
 
 from __future__ import annotations
 
+import asyncio
 import os
 from typing import Any
 
@@ -72,6 +73,31 @@ class TestImmutability:
                 store.write_many([("data/s-1/00002.safetensors", b"again"), ("data/s-1/new", b"n")])
             )
         assert run(store.read("data/s-1/00002.safetensors")) == items[2][1]
+
+    def test_write_after_waits_for_ready(self, store: Store, run: Any) -> None:
+        async def scenario() -> tuple[bool, bool]:
+            ready = asyncio.Event()
+            writing = asyncio.ensure_future(store.write_after("manifests/7.json", b"commit", ready.wait()))
+            await asyncio.sleep(0.05)  # the store may prepare the write meanwhile, not publish it
+            visible_before = await store.stat("manifests/7.json") is not None
+            ready.set()
+            await writing
+            return visible_before, await store.stat("manifests/7.json") is not None
+
+        assert run(scenario()) == (False, True)
+        assert run(store.read("manifests/7.json")) == b"commit"
+        with pytest.raises(AlreadyExistsError):  # create-only, like write
+            run(store.write_after("manifests/7.json", b"again", asyncio.sleep(0)))
+
+    def test_write_after_writes_nothing_when_ready_fails(self, store: Store, run: Any) -> None:
+        async def failing() -> None:
+            await asyncio.sleep(0.02)
+            raise NotFoundError("a data file was not written")
+
+        with pytest.raises(NotFoundError, match="a data file was not written"):
+            run(store.write_after("manifests/8.json", b"commit", failing()))
+        assert run(store.stat("manifests/8.json")) is None
+        assert [o.path for o in run(store.list("manifests/"))] == []
 
     @pytest.mark.parametrize("bad", ["../escape", "/abs", "a//b", "a/./b", ""])
     def test_bad_paths_are_refused(self, store: Store, run: Any, bad: str) -> None:

@@ -63,6 +63,49 @@ def test_local_store_publishes_whole_files_only(tmp_path: Path) -> None:
     assert not (tmp_path / "a").exists()
 
 
+def test_local_write_after_stages_the_file_and_leaves_no_temp(tmp_path: Path) -> None:
+    """file://: the bytes are written (fsync'ed) while ``ready`` runs; the name appears only
+    after it, and a failed ``ready`` leaves no temporary file behind."""
+    store = LocalStore(tmp_path)
+
+    async def scenario() -> list[str]:
+        ready = asyncio.Event()
+        writing = asyncio.ensure_future(store.write_after("m/1.json", b"commit", ready.wait()))
+        await asyncio.sleep(0.1)
+        staged = sorted(p.name for p in (tmp_path / "m").iterdir())
+        ready.set()
+        await writing
+        return staged
+
+    staged = asyncio.run(scenario())
+    assert len(staged) == 1 and staged[0].startswith(".tmp-1.json.")  # written, not published
+    assert sorted(p.name for p in (tmp_path / "m").iterdir()) == ["1.json"]
+    assert (tmp_path / "m" / "1.json").read_bytes() == b"commit"
+    assert store.create_is_atomic
+
+    async def failing() -> None:
+        await asyncio.sleep(0.05)
+        raise ValueError("data not written")
+
+    with pytest.raises(ValueError, match="data not written"):
+        asyncio.run(store.write_after("m/2.json", b"never", failing()))
+    assert sorted(p.name for p in (tmp_path / "m").iterdir()) == ["1.json"]
+
+
+def test_local_store_without_hard_links_is_not_atomic(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A filesystem without hard links: create-only falls back to a check and a rename, which
+    two writers may race, and the store says so (a publisher then reads its commit back)."""
+    store = LocalStore(tmp_path)
+
+    def no_link(src: object, dst: object) -> None:
+        raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr("os.link", no_link)
+    asyncio.run(store.write("a.bin", b"x"))
+    assert (tmp_path / "a.bin").read_bytes() == b"x"
+    assert not store.create_is_atomic
+
+
 def test_urls() -> None:
     assert LocalStore.from_url("file:///tmp/x").root == Path("/tmp/x")
     assert open_store("/tmp/y").url == "file:///tmp/y"

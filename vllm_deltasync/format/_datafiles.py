@@ -8,6 +8,7 @@ from the offsets the file was laid out with.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hashlib
 import json
@@ -124,8 +125,11 @@ class DataFiles:
 
     def __init__(self, store: Store, loop: BackgroundLoop, step: int, kind: Kind,
                  max_file_bytes: int, timeout_s: float, version: int, writer: str | None,
-                 attempt: str | None = None) -> None:
+                 attempt: str | None = None, gate: Future[Any] | None = None) -> None:
+        """``gate``: a check that must pass before anything is written (its error is then
+        raised by every write, and nothing is written)."""
         self.store, self.loop, self.step, self.kind = store, loop, step, kind
+        self.gate = gate
         self.max_file_bytes, self.timeout_s, self.version = max_file_bytes, timeout_s, version
         attempt = attempt or secrets.token_hex(8)
         self.token = attempt if writer is None else attempt_token(writer, attempt)
@@ -160,12 +164,29 @@ class DataFiles:
         data, where = _save(self.tensors, meta)
         path = data_path(self.step, self.token, len(self.entries))
         # written while the digests are taken (and, for the last file, the manifest is built)
-        self.pending.append(self.loop.submit(self.store.write(path, data)))
+        self.pending.append(self.loop.submit(self._write(path, data)))
         index = _locate(data, where, self.chunks) if self.version >= 2 else None
         self.entries.append(FileEntry(path, len(data), hashlib.sha256(data).hexdigest(), index))
         self.tensors, self.owners, self.chunks, self.size = {}, set(), [], 0
         if len(self.pending) >= MAX_WRITES_IN_FLIGHT:
             self.pending.pop(0).result(self.timeout_s)
+
+    async def _write(self, path: str, data: bytes) -> None:
+        if self.gate is not None:
+            await asyncio.wrap_future(self.gate)
+        await self.store.write(path, data)
+
+    async def written(self) -> None:
+        """(On the loop) every write started, and the gate, completed; the first error is
+        raised after all have ended (the gate's first)."""
+        errors = []
+        for future in ([self.gate] if self.gate is not None else []) + self.pending:
+            try:
+                await asyncio.wrap_future(future)
+            except Exception as exc:
+                errors.append(exc)
+        if errors:
+            raise errors[0]
 
     def finish(self) -> tuple[FileEntry, ...]:
         """Write the last file and wait for every write; the first error is raised."""

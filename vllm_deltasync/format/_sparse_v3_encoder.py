@@ -118,7 +118,8 @@ def _choose_high_bits(joint: np.ndarray, n: int, used: tuple[int, int] | None = 
     numpy) holds them all, and one vectorized pass over it sizes them: the same integers give
     the same floats whichever built them and whatever ``used`` said, so both encoders choose
     alike, with a fixed cost of a few numpy calls per chunk (it was ~0.3 ms: small tensors paid
-    it per element).
+    it per element). The eight costs are then summed in Python floats: the same IEEE operations
+    in the same order as numpy's (the same choice), without numpy's per-call cost on 8 values.
     """
     if used is None:
         nz = np.flatnonzero(joint.reshape(-1))
@@ -129,20 +130,21 @@ def _choose_high_bits(joint: np.ndarray, n: int, used: tuple[int, int] | None = 
         tables_kernel(np.ascontiguousarray(joint).reshape(-1), used[0], used[1], tables, escapes)
     else:
         _field_tables_numpy(joint[: used[0], : used[1]], tables, escapes)
-    he, ve = escapes[:, 0].astype(np.float64), escapes[:, 1].astype(np.float64)
+    he, ve = escapes.T.tolist()  # the escape counts of each row, as Python ints (exact)
     if n < _SMALL:
-        costs = n + 4 * he + 2 * ve
+        costs: list[float] = [n + 4 * h + 2 * v for h, v in zip(he, ve, strict=True)]
         costs[0] = 3.0 * n + 4 * he[0]
     else:
-        counts = tables.astype(np.float64)
-        p = counts / counts.sum(axis=1, keepdims=True)  # every row sums to n > 0
-        # p log2 p, 0 where p = 0 (log2(1) = 0: the product is 0.0 there, no warning raised)
-        terms = p * np.log2(np.where(counts > 0, p, 1.0))
-        bits = np.maximum(-terms.sum(axis=1), 1.0) + 0.02
-        costs = n * bits / 8 + 3 * he + 1.5 * ve
-        costs[0] = n * bits[0] / 8 + 1.9 * n + 4 * he[0]
+        # p = counts / n (every row sums to n > 0); p log2 p, 0 where p = 0 (log2(1) = 0: the
+        # product is 0.0 there, no warning raised)
+        p = tables / float(n)
+        terms = p * np.log2(np.where(tables > 0, p, 1.0))
+        bits = (np.maximum(-terms.sum(axis=1), 1.0) + 0.02).tolist()
+        # per row, in Python floats: the same IEEE operations as numpy's, in the same order
+        costs = [n * b / 8 + 3 * float(h) + 1.5 * float(v) for b, h, v in zip(bits, he, ve, strict=True)]
+        costs[0] = n * bits[0] / 8 + 1.9 * n + 4 * float(he[0])
     order = (8, 1, 2, 3, 4, 5, 6, 7)  # row 0 is hb = 8; ties go to the smaller hb
-    return order[min(range(8), key=lambda r: (float(costs[r]), order[r]))]
+    return order[min(range(8), key=lambda r: (costs[r], order[r]))]
 
 
 def _field_tables(joint, rows, cols, tables, escapes):  # type: ignore[no-untyped-def]

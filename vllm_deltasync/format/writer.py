@@ -15,11 +15,11 @@ encoded chunks (each at most about ``max_file_bytes``) wait besides the open fil
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import contextlib
 import functools
 import os
-import threading
 import time
 from collections.abc import Callable, Generator, Iterator
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
@@ -52,10 +52,9 @@ from vllm_deltasync.stores import Store
 MAX_ENCODE_THREADS = 8
 """``encode_threads=0`` uses one thread per available core, at most this many."""
 INLINE_ELEMENTS = 1 << 20
-"""A step carrying fewer elements (changed ones, or an anchor's) encodes its chunks on the
-calling thread and one helper task per other encode thread, each taking the next chunk under a
-lock (``_in_shares``): its chunks encode in a few milliseconds, and a pool hand-over per chunk
-would cost more than it saves (the bytes do not depend on it)."""
+"""A step carrying fewer elements (changed ones, or an anchor's) encodes on the calling thread:
+its chunks encode in a few milliseconds, and the pool's hand-overs would cost more than they
+save (the bytes do not depend on it)."""
 
 
 def encode_threads_for(encode_threads: int) -> int:
@@ -231,62 +230,6 @@ def _in_order(jobs: Iterator[tuple[int, Callable[[], Any]]], threads: int,
                 future.exception()
 
 
-def _in_shares(jobs: list[tuple[int, Callable[[], Any]]], threads: int, executor: Executor | None
-               ) -> Generator[tuple[int, Any], None, None]:
-    """``(tag, job())`` for each ``(tag, job)``, in order, for a small step: the jobs are taken
-    one at a time, in order, by the calling thread and by ``threads - 1`` helpers, each one task
-    on ``executor`` (None: no helper). No hand-over per chunk (a lock), and the caller does the
-    next job not taken while a result it needs is not there, so a helper that a busy host does
-    not run holds up at most the one chunk it took. The first error is raised in order; no job
-    starts after it."""
-    n = len(jobs)
-    results: list[tuple[bool, Any] | None] = [None] * n
-    state = {"next": 0, "stop": False}
-    cond = threading.Condition()
-
-    def work_one() -> bool:
-        with cond:
-            if state["stop"] or state["next"] >= n:
-                return False
-            j = state["next"]
-            state["next"] = j + 1
-        try:
-            result: tuple[bool, Any] = (True, jobs[j][1]())
-        except BaseException as exc:  # raised by the caller, in order
-            result = (False, exc)
-        with cond:
-            results[j] = result
-            state["stop"] = state["stop"] or not result[0]  # every earlier job was taken already
-            cond.notify_all()
-        return True
-
-    def helper() -> None:
-        while work_one():
-            pass
-
-    helpers = threads - 1 if executor is not None and n > 1 else 0
-    futures = [executor.submit(helper) for _ in range(helpers)] if executor is not None else []
-    try:
-        for i in range(n):
-            while results[i] is None and work_one():
-                pass
-            with cond:
-                cond.wait_for(lambda i=i: results[i] is not None)  # type: ignore[misc]
-            ok, value = results[i]  # type: ignore[misc]
-            results[i] = None
-            if not ok:
-                raise value
-            yield jobs[i][0], value
-    finally:
-        with cond:
-            state["stop"] = True
-        for future in futures:
-            future.cancel()
-        for future in futures:  # a helper already running ends before the caller goes on
-            if not future.cancelled():
-                future.exception()
-
-
 @dataclass(frozen=True)
 class StepFacts:
     """What a step is, as its manifest records it (besides files and tensors)."""
@@ -376,7 +319,7 @@ def write_files(store: Store, loop: BackgroundLoop, facts: StepFacts, items: lis
 
 def _encode_and_pack(store: Store, loop: BackgroundLoop, facts: StepFacts, items: list[StepItem],
                      options: WriteOptions, attempt: str | None, executor: Executor | None,
-                     ) -> tuple[DataFiles, tuple[TensorEntry, ...]]:
+                     gate: Future[Any] | None = None) -> tuple[DataFiles, tuple[TensorEntry, ...]]:
     """Encode ``items`` into data files; the last file's write is started, not waited for
     (``DataFiles.wait``). Returns the files and one tensor entry per tensor."""
     for item in items:  # before anything is encoded or written
@@ -385,9 +328,10 @@ def _encode_and_pack(store: Store, loop: BackgroundLoop, facts: StepFacts, items
             raise FormatError(f"step {facts.step}: tensor {str(item.name)[:80]!r} {problem}; no "
                               "reader reads such a tensor, nothing was written")
     threads = encode_threads_for(options.encode_threads)
-    small = sum(item.new_values.numel() for item in items) < INLINE_ELEMENTS
+    if sum(item.new_values.numel() for item in items) < INLINE_ELEMENTS:
+        threads = 1  # a small step: handing its chunks to other threads costs more than it saves
     files = DataFiles(store, loop, facts.step, facts.kind, options.max_file_bytes, options.timeout_s,
-                      options.version, options.tokens[1], attempt)
+                      options.version, options.tokens[1], attempt, gate)
     dense, sparse = get_codec("dense"), get_codec(options.codec)
     pending: list[tuple[StepItem, Codec, list[PendingChunk]]] = []
     for item in items:
@@ -398,12 +342,8 @@ def _encode_and_pack(store: Store, loop: BackgroundLoop, facts: StepFacts, items
             for plan in _plan_item(item, codec_of, files):
                 yield k, functools.partial(_encode_chunk, item, codec_of, plan)
 
-    if small:  # chunks taken one by one by this thread and helpers (no hand-over per chunk)
-        order = _in_shares(list(jobs()), threads, executor)
-    else:
-        order = _in_order(jobs(), threads, executor)
     try:
-        with contextlib.closing(order) as encoded:
+        with contextlib.closing(_in_order(jobs(), threads, executor)) as encoded:
             for k, (chunk, tensors) in encoded:  # an error: the pool stops
                 files.add(pending[k][0].name, tensors, chunk)
                 pending[k][2].append(chunk)
@@ -433,47 +373,93 @@ def write_step(store: Store, loop: BackgroundLoop, facts: StepFacts, items: list
     (a delta) and ``resumed_from`` (an anchor, optional); 1 writes the old format (no writer
     token, no identities, chunks placed by position); ``facts.adapter``, an adapter bucket's
     record, needs version 2 or 3. The manifest is built, serialized and checked while the last
-    data file is still being written; it is written once every data file is. ``executor``: as
-    in ``write_files``.
+    data file is still being written; it is committed once every data file is. ``executor``:
+    as in ``write_files``.
     """
+    return commit_step(store, loop, facts, items, options, executor=executor)[0]
+
+
+def commit_step(store: Store, loop: BackgroundLoop, facts: StepFacts, items: list[StepItem],
+                options: WriteOptions, *, executor: Executor | None = None,
+                gate: Future[Any] | None = None) -> tuple[Manifest, int]:
+    """``write_step``, returning the manifest and the size of its committed bytes. ``gate``: a
+    check run on ``loop`` meanwhile (the publisher's second-writer check) that must pass before
+    any file is written; its error is raised and nothing is written."""
     run_id, writer = options.tokens
     if options.version >= 2 and not (run_id and writer):
         raise ConfigError(f"write_step: format version {options.version} needs run_id and writer")
     if facts.adapter is not None and options.version < 2:
         raise ConfigError("write_step: format version 1 has no adapter record; write an adapter "
                           "bucket's steps with version 2 or 3")
-    files, entries = _encode_and_pack(store, loop, facts, items, options, None, executor)
+    files, entries = _encode_and_pack(store, loop, facts, items, options, None, executor, gate)
     try:
-        v2 = options.version >= 2
-        manifest = Manifest(
-            step=facts.step, kind=facts.kind, base_step=facts.base_step,
-            anchor_step=facts.anchor_step, created_at=time.time(), fingerprint=facts.fingerprint,
-            files=tuple(files.entries), tensors=entries,
-            totals=Totals(facts.totals[0], facts.totals[1], sum(e.changed for e in entries),
-                          sum(f.size for f in files.entries)),
-            schema_version=options.version, run_id=run_id, writer=writer,
-            base_id=facts.base_id if v2 and facts.kind == "delta" else None,
-            resumed_from=facts.resumed_from if v2 and facts.kind == "anchor" else None,
-            adapter=facts.adapter,
-        )
-        data = manifest_bytes(manifest)
+        manifest = _manifest(facts, files, entries, options)
+        data = manifest.to_json()
     except BaseException:
         files.wait_quietly()
         raise
-    files.wait()  # every data file is written before the manifest commits the step
-    loop.run(store.write(manifest_path(manifest.step), data), options.timeout_s)
-    return replace(manifest, identity=manifest_identity(data))
+    # The manifest (the commit point) appears only once every data file is written and its
+    # bytes passed the reader's validation; a store may prepare its write meanwhile (file://:
+    # the temporary file written and fsync'ed while this thread checks the bytes).
+    checked: Future[None] = Future()
+    commit = loop.submit(store.write_after(manifest_path(manifest.step), data,
+                                           _all_ready(files, checked)))
+    try:
+        _check_manifest(manifest, data)
+    except BaseException as exc:
+        checked.set_exception(exc)
+        with contextlib.suppress(BaseException):  # it raises this same error, nothing written
+            commit.result(options.timeout_s)
+        files.wait_quietly()
+        raise
+    checked.set_result(None)
+    try:
+        commit.result(options.timeout_s)
+    except TimeoutError:
+        commit.cancel()
+        raise TimeoutError(f"step {manifest.step}: the commit did not finish within "
+                           f"{options.timeout_s} s") from None
+    return replace(manifest, identity=manifest_identity(data)), len(data)
+
+
+def _manifest(facts: StepFacts, files: DataFiles, entries: tuple[TensorEntry, ...],
+              options: WriteOptions) -> Manifest:
+    """The manifest of a step whose data files are ``files`` (their writes may still run)."""
+    run_id, writer = options.tokens
+    v2 = options.version >= 2
+    return Manifest(
+        step=facts.step, kind=facts.kind, base_step=facts.base_step,
+        anchor_step=facts.anchor_step, created_at=time.time(), fingerprint=facts.fingerprint,
+        files=tuple(files.entries), tensors=entries,
+        totals=Totals(facts.totals[0], facts.totals[1], sum(e.changed for e in entries),
+                      sum(f.size for f in files.entries)),
+        schema_version=options.version, run_id=run_id, writer=writer,
+        base_id=facts.base_id if v2 and facts.kind == "delta" else None,
+        resumed_from=facts.resumed_from if v2 and facts.kind == "anchor" else None,
+        adapter=facts.adapter,
+    )
+
+
+async def _all_ready(files: DataFiles, checked: Future[None]) -> None:
+    """Every data file written (their first error raised), then the manifest's check passed."""
+    await files.written()
+    await asyncio.wrap_future(checked)
 
 
 def manifest_bytes(manifest: Manifest) -> bytes:
     """The document of ``manifest``, parsed back as a reader parses it: FormatError ("... a
     reader would refuse it") for a manifest a reader would refuse."""
     data = manifest.to_json()
+    _check_manifest(manifest, data)
+    return data
+
+
+def _check_manifest(manifest: Manifest, data: bytes) -> None:
+    """FormatError ("... a reader would refuse it") where a reader refuses ``data``."""
     try:  # the reader's own validation, on exactly these bytes: never commit what it refuses
         Manifest.from_json(data, source=f"step {manifest.step}'s manifest, not committed")
     except FormatError as exc:
         raise FormatError(f"{exc}; a reader would refuse it") from None
-    return data
 
 
 def commit_manifest(store: Store, loop: BackgroundLoop, manifest: Manifest,
@@ -487,5 +473,5 @@ def commit_manifest(store: Store, loop: BackgroundLoop, manifest: Manifest,
     return replace(manifest, identity=manifest_identity(data))
 
 
-__all__ = ["MAX_ENCODE_THREADS", "StepFacts", "StepItem", "WriteOptions", "commit_manifest",
+__all__ = ["MAX_ENCODE_THREADS", "StepFacts", "StepItem", "WriteOptions", "commit_manifest", "commit_step",
            "encode_threads_for", "manifest_bytes", "retain", "shifted", "write_files", "write_step"]

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import abc
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -78,6 +78,10 @@ class Store(abc.ABC):
 
     #: URL scheme this backend serves (``file``, ``memory``, ``hf``, ``s3``).
     scheme: str = ""
+    #: True where a create-only ``write`` is one atomic step, so that of two writers racing
+    #: for one path exactly one succeeds and the other gets AlreadyExistsError (a publisher
+    #: then need not read its commit back to learn who won).
+    create_is_atomic: bool = False
 
     def __init__(self) -> None:
         self.stats = StoreStats()
@@ -111,6 +115,14 @@ class Store(abc.ABC):
     @abc.abstractmethod
     async def write(self, path: str, data: bytes | memoryview, *, overwrite: bool = False) -> None:
         """Store ``data`` at ``path`` atomically."""
+
+    async def write_after(self, path: str, data: bytes | memoryview, ready: Awaitable[Any]) -> None:
+        """Write ``data`` at ``path`` (create-only) once ``ready`` has completed, nothing if it
+        raises (its error is raised): a step's manifest after its data files. This default
+        awaits ``ready``, then writes; a store that can prepare the write meanwhile overrides
+        it, never making ``path`` visible before ``ready`` has completed."""
+        await ready
+        await self.write(path, data)
 
     async def write_many(self, items: Sequence[tuple[str, bytes | memoryview]]) -> None:
         """Write several objects; backends with a batch API override this. Order is not kept."""

@@ -25,15 +25,16 @@ from __future__ import annotations
 
 import asyncio
 import builtins
+import contextlib
 import errno
 import logging
 import os
 import secrets
 import stat as stat_module
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from vllm_deltasync._urls import redact_url
 from vllm_deltasync.errors import AlreadyExistsError, ConfigError, NotFoundError, StoreError
@@ -41,6 +42,7 @@ from vllm_deltasync.stores._parts import check_max_bytes, too_large
 from vllm_deltasync.stores.base import ObjectInfo, Store, check_path
 
 _TMP_PREFIX = ".tmp-"
+_T = TypeVar("_T")
 logger = logging.getLogger(__name__)
 
 
@@ -57,6 +59,7 @@ class LocalStore(Store):
         self.fsync = fsync
         self.stale_temp_s = stale_temp_s
         self._swept = False
+        self.create_is_atomic = True  # until a filesystem without hard links is met
         self._reported: set[str] = set()
         """Entries a listing skipped and already logged (one log line each, not one a poll)."""
 
@@ -205,8 +208,12 @@ class LocalStore(Store):
         self.stats.bytes_written += len(data)
 
     def _write(self, path: str, data: bytes | memoryview, overwrite: bool) -> None:
+        self._guarded(path, self._write_file, path, data, overwrite)
+
+    def _guarded(self, path: str, op: Callable[..., _T], *args: Any) -> _T:
+        """``op(*args)``, a step of writing ``path``: an ``OSError`` becomes a StoreError naming it."""
         try:
-            self._write_file(path, data, overwrite)
+            return op(*args)
         except StoreError:
             raise
         except OSError as exc:  # ENOSPC (disk full), EDQUOT, EACCES, EROFS...
@@ -219,6 +226,11 @@ class LocalStore(Store):
                              "nothing was published under this name") from None
 
     def _write_file(self, path: str, data: bytes | memoryview, overwrite: bool) -> None:
+        tmp, full = self._stage(path, data, overwrite)
+        self._finish(tmp, full, path, overwrite)
+
+    def _stage(self, path: str, data: bytes | memoryview, overwrite: bool) -> tuple[Path, Path]:
+        """``data`` in a hidden temporary file beside ``path``, fsync'ed: (its path, the final one)."""
         if not self._swept:
             self._swept = True
             try:
@@ -237,11 +249,40 @@ class LocalStore(Store):
                 if self.fsync:
                     fh.flush()
                     os.fsync(fh.fileno())
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        return tmp, full
+
+    def _finish(self, tmp: Path, full: Path, path: str, overwrite: bool) -> None:
+        """Publish the staged ``tmp`` as ``full`` (the temporary file is gone either way)."""
+        try:
             self._publish(tmp, full, path, overwrite)
         finally:
             tmp.unlink(missing_ok=True)
         if self.fsync:
             _fsync_dir(full.parent)
+
+    async def write_after(self, path: str, data: bytes | memoryview, ready: Awaitable[Any]) -> None:
+        """The bytes are written to a temporary file and fsync'ed while ``ready`` runs; only
+        the create-only link (and the folder's fsync) waits for it, so ``path`` never exists
+        before ``ready`` has completed and nothing of it is left if ``ready`` raises. A subclass
+        that overrides ``write`` gets the plain order (``ready``, then its ``write``)."""
+        if type(self).write is not LocalStore.write:
+            await super().write_after(path, data, ready)
+            return
+        staged = asyncio.ensure_future(asyncio.to_thread(self._guarded, path, self._stage, path, data, False))
+        try:
+            await ready
+        except BaseException:
+            with contextlib.suppress(Exception):  # its own error: ``ready``'s is the one raised
+                tmp, _ = await staged
+                tmp.unlink(missing_ok=True)
+            raise
+        tmp, full = await staged
+        await asyncio.to_thread(self._guarded, path, self._finish, tmp, full, path, False)
+        self.stats.count("write", "ok")
+        self.stats.bytes_written += len(data)
 
     def _publish(self, tmp: Path, full: Path, path: str, overwrite: bool) -> None:
         if overwrite:
@@ -253,6 +294,7 @@ class LocalStore(Store):
             self.stats.count("write", "error")
             raise AlreadyExistsError(f"{self.url}/{path} exists; bucket names are immutable") from None
         except OSError as exc:  # no hard links on this filesystem
+            self.create_is_atomic = False  # a check and a rename: two writers may race
             if full.exists():
                 raise AlreadyExistsError(f"{self.url}/{path} exists; bucket names are immutable") from exc
             os.replace(tmp, full)

@@ -22,6 +22,7 @@ class MemoryStore(Store):
     """A process-local bucket."""
 
     scheme = "memory"
+    create_is_atomic = True
 
     def __init__(self, name: str) -> None:
         super().__init__()

@@ -10,6 +10,7 @@ may be lost.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
@@ -31,9 +32,9 @@ from vllm_deltasync.format.writer import (
     StepItem,
     WriteOptions,
     commit_manifest,
+    commit_step,
     encode_threads_for,
     write_files,
-    write_step,
 )
 from vllm_deltasync.stores import Store
 from vllm_deltasync.trainer import sharded
@@ -182,10 +183,12 @@ class Uploader:
     def _commit(self, job: UploadJob) -> None:
         started = time.perf_counter()
         v2 = self.options.format_version >= 2
-        if v2 and not job.sharded:
-            self._run(self._check_alone(job.step))
+        size = None
         try:
-            manifest = self._commit_part(job) if job.sharded else self._write_step(job)
+            if job.sharded:
+                manifest = self._commit_part(job)
+            else:
+                manifest, size = self._write_step(job, v2)
         except AlreadyExistsError as exc:
             other = self._run(self._writer_of(job.step)) if v2 else None
             raise PublishError(self._conflict(job.step, other) if other else (
@@ -194,9 +197,8 @@ class Uploader:
         if manifest is None:  # not the committing rank: its files and part are written
             self._count(job, None, time.perf_counter() - started)
             return
-        size = None
-        if v2:  # hf:// has no atomic create: read the commit back to see who won a race
-            size, other = self._run(self._read_back(job.step, manifest.identity))
+        if v2 and not self.store.create_is_atomic:  # hf://: read the commit back to see who won a race
+            _, other = self._run(self._read_back(job.step, manifest.identity))
             if other is not None and other[0] != self.writer_token:
                 raise PublishError(self._conflict(job.step, other))
         self._seen_step = job.step
@@ -216,10 +218,18 @@ class Uploader:
         if self.options.on_commit is not None:
             self.options.on_commit(manifest)
 
-    def _write_step(self, job: UploadJob) -> Manifest:
+    def _write_step(self, job: UploadJob, v2: bool) -> tuple[Manifest, int]:
+        """Encode, write and commit ``job``; the second-writer check (v2) runs on the loop
+        meanwhile and must pass before any file is written."""
         facts = replace(job.facts, base_id=self._base_id(job), resumed_from=self._resumed_from(job))
-        return write_step(self.store, self.loop, facts, job.items, self.write_options,
-                          executor=self._encoders())
+        gate = self.loop.submit(self._check_alone(job.step)) if v2 else None
+        try:
+            return commit_step(self.store, self.loop, facts, job.items, self.write_options,
+                               executor=self._encoders(), gate=gate)
+        finally:
+            if gate is not None:  # ended before this job's state is touched again
+                with contextlib.suppress(BaseException):
+                    gate.result(self.options.timeout_s)
 
     def _encoders(self) -> ThreadPoolExecutor:
         """The pool that encodes chunks, made at the first step and kept (upload thread)."""
