@@ -37,19 +37,15 @@ from vllm_deltasync.format.layout import manifest_path
 from vllm_deltasync.server.worker.discovery import StepWatcher
 from vllm_deltasync.stores.hf import HfOptions, HfStore
 
-HUBSERVER = Path(__file__).resolve().parents[1] / "tests" / "helpers" / "hubserver.py"
+ROOT = Path(__file__).resolve().parents[1]
+"""The repository: the local Hub bucket server is ``tests.helpers.hubserver`` there."""
 BUCKET = "bench/step"
 REPLICAS = 32
 FILES_PER_STEP = 4  # data files a replica reads per step in the budget estimate (+1 manifest)
 
 
 def _load_hubserver() -> Any:
-    spec = importlib.util.spec_from_file_location("deltasync_bench_hubserver", HUBSERVER)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return importlib.import_module("tests.helpers.hubserver")
 
 
 # -- throughput ------------------------------------------------------------------------------
@@ -118,9 +114,10 @@ def _throughput(quick: bool) -> tuple[str, float]:
     files = {
         f"data/000000000001-bench/{i:05d}.safetensors": os.urandom(size) for i in range(n_files)
     }
-    command = [sys.executable, str(HUBSERVER), "--bucket", BUCKET, "--cdn-bytes-per-s", str(rate)]
+    command = [sys.executable, "-m", "tests.helpers.hubserver", "--bucket", BUCKET,
+               "--cdn-bytes-per-s", str(rate)]
     with subprocess.Popen(
-        command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT
     ) as server:
         assert server.stdout is not None and server.stdin is not None
         info = json.loads(server.stdout.readline())

@@ -48,8 +48,6 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-HUBSERVER = ROOT / "tests" / "helpers" / "hubserver.py"
-MIRRORSERVER = ROOT / "tests" / "helpers" / "mirrorserver.py"
 BUCKET, PREFIX = "bench/fleet", "run"
 URL = f"hf://buckets/{BUCKET}/{PREFIX}"
 STEP_S = 60.0
@@ -85,15 +83,6 @@ FULL = (Row(10, False, False, 20), Row(10, True, True, 20),
 every minute (one step, a branch check every ``min(60, 10 x poll)`` s), and at k=3 each minute
 lasts 20 s of this machine's time."""
 QUICK = (Row(10, False, False, 30), Row(10, True, True, 30), Row(50, True, True, 30))
-
-
-def _load(path: Path, name: str) -> Any:
-    spec = importlib.util.spec_from_file_location(name, path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 # ---------------------------------------------------------------- one replica (worker side)
@@ -263,10 +252,11 @@ class _Held:
 def _row(row: Row, cache: Path) -> dict[str, Any]:
     from vllm_deltasync import DeltaPublisher
 
-    mirrors = _load(MIRRORSERVER, "deltasync_bench_mirrorserver")
-    command = [sys.executable, str(HUBSERVER), "--bucket", BUCKET, "--no-quota",
+    mirrors = importlib.import_module("tests.helpers.mirrorserver")
+    command = [sys.executable, "-m", "tests.helpers.hubserver", "--bucket", BUCKET, "--no-quota",
                "--events-max-s", str(600 / row.k)]
-    with subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) as hub:
+    with subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                          cwd=ROOT) as hub:
         assert hub.stdout is not None and hub.stdin is not None
         info = json.loads(hub.stdout.readline())
         mirror = None
@@ -361,7 +351,7 @@ def _line(r: dict[str, Any]) -> str:
 
 def run(quick: bool = False) -> str:
     """Markdown section: one row per (replicas, mirror, jitter), then the goal line."""
-    mirrors = _load(MIRRORSERVER, "deltasync_bench_mirrorserver")
+    mirrors = importlib.import_module("tests.helpers.mirrorserver")
     rows = QUICK if quick else FULL
     if mirrors.nginx_binary() is None:
         rows = tuple(r for r in rows if not r.mirror)

@@ -65,7 +65,8 @@ from vllm_deltasync.format.reader import BucketReader
 from vllm_deltasync.stores import open_store
 from vllm_deltasync.trainer.publisher import DeltaPublisher
 
-HUBSERVER = Path(__file__).resolve().parents[1] / "tests" / "helpers" / "hubserver.py"
+ROOT = Path(__file__).resolve().parents[1]
+"""The repository: the local Hub bucket server is ``tests.helpers.hubserver`` there."""
 BUCKET = "bench/scale"
 HIDDEN, INTER = 7168, 2048
 ROUTED, EP = 256, 32
@@ -75,10 +76,9 @@ MAGNITUDES = [1, 2, 3, 4, *range(5, 17)]
 PROBS = [0.70, 0.20, 0.04, 0.04, *([0.02 / 12] * 12)]
 
 _SERVER = r"""
-import importlib.util, json, sys
-spec = importlib.util.spec_from_file_location("deltasync_scale_hubserver", sys.argv[1])
-mod = importlib.util.module_from_spec(spec); sys.modules[spec.name] = mod; spec.loader.exec_module(mod)
-with mod.HubServer() as hub:
+import json, sys
+from tests.helpers.hubserver import HubServer
+with HubServer() as hub:
     print(json.dumps({"endpoint": hub.endpoint, "token": hub.token}), flush=True)
     for line in sys.stdin:
         cmd, _, arg = line.strip().partition(" ")
@@ -99,7 +99,7 @@ class Server:
     """The local Hub bucket server in a subprocess (off this process's GIL and RSS)."""
 
     def __init__(self) -> None:
-        self.proc = subprocess.Popen([sys.executable, "-c", _SERVER, str(HUBSERVER)],
+        self.proc = subprocess.Popen([sys.executable, "-c", _SERVER], cwd=ROOT,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         assert self.proc.stdout is not None
         info = json.loads(self.proc.stdout.readline())
