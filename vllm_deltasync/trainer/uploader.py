@@ -198,7 +198,7 @@ class Uploader:
             self._count(job, None, time.perf_counter() - started)
             return
         if v2 and not self.store.create_is_atomic:  # hf://: read the commit back to see who won a race
-            _, other = self._run(self._read_back(job.step, manifest.identity))
+            other = self._run(self._winner(job.step, manifest.identity))
             if other is not None and other[0] != self.writer_token:
                 raise PublishError(self._conflict(job.step, other))
         self._seen_step = job.step
@@ -306,22 +306,22 @@ class Uploader:
         except Exception as exc:
             log.warning("could not write %s: %s", path, exc)
 
-    async def _read_back(self, step: int, identity: str | None) -> tuple[int | None, tuple[str, str] | None]:
-        """The committed manifest of ``step``: ``(its size, None)`` when it is the one this
-        publisher wrote (bytes of ``identity``), else ``(None, (writer, run_id))`` of whoever
-        wrote it (``(None, None)``: absent or unreadable, no writer to name)."""
+    async def _winner(self, step: int, identity: str | None) -> tuple[str, str] | None:
+        """Who wrote the committed manifest of ``step``, read back: None when it is the one this
+        publisher wrote (bytes of ``identity``), or when it is absent or unreadable (no writer
+        to name); else ``(writer, run_id)``."""
         path = manifest_path(step)
         try:
             data = await self.store.read(path)
         except Exception:  # absent, unreadable: no writer to name
-            return None, None
+            return None
         if identity is not None and manifest_identity(data) == identity:
-            return len(data), None
+            return None
         try:
             m = Manifest.from_json(data, source=path)
         except Exception:
-            return None, None
-        return None, ((m.writer, m.run_id or "?") if m.writer else ("(format v1, anonymous)", "?"))
+            return None
+        return (m.writer, m.run_id or "?") if m.writer else ("(format v1, anonymous)", "?")
 
     async def _writer_of(self, step: int) -> tuple[str, str] | None:
         """``(writer, run_id)`` of the committed manifest of ``step`` (None: absent or v1)."""
