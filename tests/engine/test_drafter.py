@@ -24,7 +24,9 @@ bucket under ``drafter_prefix`` and followed from there (issue 26, item 3).
 from __future__ import annotations
 
 import json
+import os
 import re
+import shutil
 import time
 import urllib.error
 import urllib.request
@@ -102,6 +104,24 @@ def _wait_drafter(llm: Any, step: int, timeout_s: float = 60.0) -> list[dict[str
         time.sleep(0.1)
 
 
+def _release(bucket: Path, live: Path) -> None:
+    """Copy the steps the draft's trainer committed in ``bucket`` into ``live``, the bucket the
+    engine follows: data files first, each manifest last, every object under a ``.tmp-`` name
+    (which readers ignore) and renamed into place. The test can so break a step's data before
+    any reader may see that step: corrupting a committed step in place races the engine's
+    poller, which may already have downloaded the good bytes."""
+    files = sorted((f for f in bucket.rglob("*") if f.is_file()),
+                   key=lambda f: f.relative_to(bucket).parts[0] == "manifests")
+    for f in files:
+        dst = live / f.relative_to(bucket)
+        if dst.exists():
+            continue
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        tmp = dst.with_name(".tmp-" + dst.name)
+        shutil.copyfile(f, tmp)
+        os.replace(tmp, dst)
+
+
 def _spec_counters(llm: Any) -> dict[str, float]:
     """vLLM's own speculative-decoding counters (the acceptance rate is accepted / draft)."""
     out: dict[str, float] = {}
@@ -120,11 +140,14 @@ def test_policy_and_drafter_follow_their_buckets(tmp_path: Path, tp: int) -> Non
     draft_dir = build_model(tmp_path / "draft", "llama", num_layers=1, seed=3)
     policy, draft = Trainer(policy_dir, lr=2e-3, seed=1), Trainer(draft_dir, lr=2e-3, seed=2)
     p_url, d_url = f"file://{tmp_path}/policy-bucket", f"file://{tmp_path}/draft-bucket"
+    draft_bucket, draft_live = tmp_path / "draft-bucket", tmp_path / "draft-live"
+    draft_live.mkdir()
     port = free_port()
     ckpts: list[tuple[Path, Path]] = []
     with DeltaPublisher(p_url, anchor_every=10) as ppub, \
             DeltaPublisher(d_url, anchor_every=10) as dpub, \
-            engine_env(tmp_path, tp, url=p_url, drafter_url=d_url, poll_interval_s=0.1,
+            engine_env(tmp_path, tp, url=p_url, drafter_url=f"file://{draft_live}",
+                       poll_interval_s=0.1,
                        metrics_port=port, metrics_host="127.0.0.1"):
         llm = speculative_llm(policy_dir, draft_dir, extension=True, tp=tp)
         try:
@@ -136,6 +159,7 @@ def test_policy_and_drafter_follow_their_buckets(tmp_path: Path, tp: int) -> Non
                 dpub.publish(step, draft.named_tensors())
                 ppub.flush()
                 dpub.flush()
+                _release(draft_bucket, draft_live)
                 ckpts.append((policy.save(tmp_path / f"p{step}"), draft.save(tmp_path / f"d{step}")))
                 _wait_drafter(llm, step)
                 wait_applied(llm, step)
@@ -158,7 +182,7 @@ def test_policy_and_drafter_follow_their_buckets(tmp_path: Path, tp: int) -> Non
             draft.step()
             dpub.publish(STEPS + 1, draft.named_tensors())
             dpub.flush()
-            broken = [f for d in (tmp_path / "draft-bucket" / "data").glob(f"{STEPS + 1:012d}-*")
+            broken = [f for d in (draft_bucket / "data").glob(f"{STEPS + 1:012d}-*")
                       for f in d.iterdir()]
             assert broken
             for f in broken:
@@ -168,6 +192,7 @@ def test_policy_and_drafter_follow_their_buckets(tmp_path: Path, tp: int) -> Non
                     f.write_bytes(bytes(data))
                 else:
                     f.unlink()
+            _release(draft_bucket, draft_live)
             ppub.publish(STEPS + 1, policy.named_tensors())
             ppub.flush()
             wait_applied(llm, STEPS + 1)
