@@ -76,10 +76,11 @@ def _hf_config(family: Family, moe: dict[str, int], **kw: Any) -> Any:
     if family == "qwen3_moe":
         from transformers import Qwen3MoeConfig
 
+        kw.setdefault("head_dim", 32)  # an init argument the config's type hints leave out
         return Qwen3MoeConfig(num_experts=moe["num_experts"],
                               num_experts_per_tok=moe["experts_per_token"],
                               moe_intermediate_size=moe["moe_intermediate_size"],
-                              decoder_sparse_step=1, norm_topk_prob=True, head_dim=32, **kw)
+                              decoder_sparse_step=1, norm_topk_prob=True, **kw)
     if family == "mixtral":
         from transformers import MixtralConfig
 

@@ -24,7 +24,7 @@ import urllib.request
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import torch
@@ -53,7 +53,7 @@ class Trainer:
     """Real AdamW steps in bf16 on a locally built model (what an RL trainer publishes)."""
 
     def __init__(self, model_dir: Path, *, lr: float = 2e-4, seed: int = 0) -> None:
-        self.model = load_hf_model(model_dir)
+        self.model: Any = cast(Any, load_hf_model(model_dir))  # a transformers causal LM
         self.model.train()
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=0.0)
         self.gen = torch.Generator().manual_seed(seed)

@@ -9,11 +9,12 @@ state is a step per target, or "mixed" when half written; failures are injected 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from vllm_deltasync.config import SyncConfig
 from vllm_deltasync.server.engine.coordinator import Coordinator
+from vllm_deltasync.server.engine.handle import Pause
 from vllm_deltasync.server.messages import (
     ApplyAnswer,
     CommitAnswer,
@@ -124,7 +125,9 @@ class FakeEngine:
 
     def __init__(self, ranks: list[FakeRank]) -> None:
         self.ranks = ranks
-        self.paused = "none"
+        self.paused: Pause = "none"
+        self.lora_ids: set[int] = set()
+        """The LoRA adapter ids the unfinished requests use."""
         self.unfinished = False
         self.version = "2"
         self.calls: list[str] = []
@@ -134,8 +137,8 @@ class FakeEngine:
         self.fail_version = False
         """The next ``set_weight_version`` raises (the engine core's part of a switch fails)."""
 
-    def collective_rpc(self, method: str, timeout: float | None = None, args: tuple[Any, ...] = (),
-                       kwargs: dict[str, Any] | None = None) -> list[Any]:
+    def collective_rpc(self, method: str, timeout: float | None = None, args: Sequence[Any] = (),
+                       kwargs: Mapping[str, Any] | None = None) -> list[Any]:
         self.calls.append(method)
         out, first = [], None
         for r in self.ranks:  # every worker runs the broadcast; the first failure is raised
@@ -164,14 +167,17 @@ class FakeEngine:
     def get_weight_version(self) -> str:
         return self.version
 
-    def pause(self) -> str:
+    def pause(self) -> Pause:
         return self.paused
 
-    def set_pause(self, state: str) -> None:
+    def set_pause(self, state: Pause) -> None:
         self.paused = state
 
     def has_unfinished_requests(self) -> bool:
         return self.unfinished
+
+    def lora_ids_in_use(self) -> set[int]:
+        return set(self.lora_ids)
 
 
 def once(exc: BaseException) -> Callable[[], None]:

@@ -56,12 +56,13 @@ def main(kind: str, work: Path) -> None:
     faulthandler.enable()
     args = engine_args(kind, work)
     from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
 
     llm = LLM(enforce_eager=True, max_model_len=256, dtype="bfloat16", seed=0, max_num_seqs=4,
               kv_cache_memory_bytes=32 << 20, **args)
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     lora = _probe_adapter(work) if kind == "lora" else None
-    first = llm.generate([{"prompt_token_ids": [7]}], params, use_tqdm=False, lora_request=lora)
+    first = llm.generate([TokensPrompt(prompt_token_ids=[7])], params, use_tqdm=False, lora_request=lora)
     batch = llm.generate(["the policy reward model step update weight bucket",
                           "river mountain city house garden"], params, use_tqdm=False,
                          lora_request=lora)

@@ -165,7 +165,7 @@ def live_checkpoint(world: TPWorld, tmp: Path, kind: str,
     ckpt = tmp / "ckpt"
     ckpt.mkdir()
     save_file(weights, str(ckpt / "model.safetensors"))
-    live = world.build(kind, 1, 0)
+    live: Any = world.build(kind, 1, 0)  # a vLLM model: load_weights
     live.load_weights(iter(weights.items()))
     return ckpt, live, weights
 
