@@ -198,7 +198,7 @@ class Uploader:
             self._count(job, None, time.perf_counter() - started)
             return
         if v2 and not self.store.create_is_atomic:  # hf://: read the commit back to see who won a race
-            other = self._run(self._winner(job.step, manifest.identity))
+            other = self._run(self._writer_of(job.step, unless=manifest.identity))
             if other is not None and other[0] != self.writer_token:
                 raise PublishError(self._conflict(job.step, other))
         self._seen_step = job.step
@@ -306,31 +306,21 @@ class Uploader:
         except Exception as exc:
             log.warning("could not write %s: %s", path, exc)
 
-    async def _winner(self, step: int, identity: str | None) -> tuple[str, str] | None:
-        """Who wrote the committed manifest of ``step``, read back: None when it is the one this
-        publisher wrote (bytes of ``identity``), or when it is absent or unreadable (no writer
-        to name); else ``(writer, run_id)``."""
+    async def _writer_of(self, step: int, unless: str | None = None) -> tuple[str, str] | None:
+        """``(writer, run_id)`` of the committed manifest of ``step``, read back; None when it is
+        absent or unreadable (no writer to name), or when its bytes are those of the identity
+        ``unless`` (the commit this publisher made: it won)."""
         path = manifest_path(step)
         try:
             data = await self.store.read(path)
         except Exception:  # absent, unreadable: no writer to name
             return None
-        if identity is not None and manifest_identity(data) == identity:
+        if unless is not None and manifest_identity(data) == unless:
             return None
         try:
-            m = Manifest.from_json(data, source=path)
+            return _written_by(Manifest.from_json(data, source=path))
         except Exception:
             return None
-        return (m.writer, m.run_id or "?") if m.writer else ("(format v1, anonymous)", "?")
-
-    async def _writer_of(self, step: int) -> tuple[str, str] | None:
-        """``(writer, run_id)`` of the committed manifest of ``step`` (None: absent or v1)."""
-        path = manifest_path(step)
-        try:
-            m = Manifest.from_json(await self.store.read(path), source=path)
-        except Exception:  # absent, unreadable: no writer to name
-            return None
-        return (m.writer, m.run_id or "?") if m.writer else ("(format v1, anonymous)", "?")
 
     async def _check_alone(self, step: int) -> None:
         """Refuse to commit when a step newer than the last one seen was committed by another writer.
@@ -350,7 +340,7 @@ class Uploader:
                     self._unreadable.add(other_step)
                 continue
             newer.append(other_step)
-            other = (m.writer, m.run_id or "?") if m.writer else ("(format v1, anonymous)", "?")
+            other = _written_by(m)
             if other[0] != self.writer_token:
                 raise PublishError(self._conflict(other_step, other))
         if newer and newer[-1] >= step:
@@ -365,6 +355,11 @@ class Uploader:
 
     def _run(self, coro: Any) -> Any:
         return self.loop.run(coro, self.options.timeout_s)
+
+
+def _written_by(m: Manifest) -> tuple[str, str]:
+    """``(writer, run_id)`` a manifest names (format v1 names none)."""
+    return (m.writer, m.run_id or "?") if m.writer else ("(format v1, anonymous)", "?")
 
 
 __all__ = ["PublisherStats", "UploadJob", "Uploader"]
